@@ -1,0 +1,70 @@
+"""Argument checks shared by every room: fail at the call, naming the argument.
+
+Value checks that would need a device-to-host sync (``offs`` on CUDA) only run when
+debug checks are on: ``moe_fn.set_debug_checks(True)`` or ``MOE_FN_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_debug = os.environ.get("MOE_FN_DEBUG", "0") not in ("", "0", "false", "False")
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Switch on the checks that cost a device-to-host sync (``offs`` values on CUDA)."""
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_checks() -> bool:
+    return _debug
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+
+
+def check_same(names: str, *tensors: torch.Tensor, dtype: bool = True, device: bool = True) -> None:
+    first = tensors[0]
+    for t in tensors[1:]:
+        if device and t.device != first.device:
+            raise ValueError(
+                f"{names} must be on one device, got {[str(x.device) for x in tensors]}"
+            )
+        if dtype and t.dtype != first.dtype:
+            raise TypeError(f"{names} must share one dtype, got {[x.dtype for x in tensors]}")
+
+
+def check_offs(offs, num_rows: int, num_groups: int, device: torch.device) -> None:
+    """``offs``: int32 cumulative row ends, one per expert, ending at ``num_rows``."""
+    check_tensor("offs", offs, ndim=1)
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be int32 (torch._grouped_mm's convention), got {offs.dtype}")
+    if offs.numel() != num_groups:
+        raise ValueError(f"offs must have one entry per expert ({num_groups}), got {offs.numel()}")
+    if offs.device != device:
+        raise ValueError(f"offs must be on {device}, got {offs.device}")
+    if offs.device.type == "cpu" or _debug:
+        if num_groups == 0:
+            if num_rows != 0:
+                raise ValueError(f"no experts but {num_rows} rows")
+            return
+        diffs = offs[1:] - offs[:-1]
+        if bool((diffs < 0).any()) or int(offs[0]) < 0:
+            raise ValueError(f"offs must be non-decreasing and non-negative, got {offs.tolist()}")
+        if int(offs[-1]) != num_rows:
+            raise ValueError(
+                f"offs must end exactly at the row count {num_rows}, got {int(offs[-1])}: "
+                "rows past the last offset would be left unwritten"
+            )

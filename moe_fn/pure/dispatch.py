@@ -1,0 +1,218 @@
+"""Dispatch layout and row movement: sort the ``T * k`` routed rows by expert and back.
+
+Row numbering: the flattened routed row ``r = t * k + j`` is token ``t``'s ``j``-th choice
+(``topk_idx[t, j]``). The layout sorts these rows by expert, stably (rows of one expert stay
+in ``r`` order), into the expert-contiguous order a grouped GEMM consumes:
+
+- ``perm[i]``: which flattened row sits at sorted position ``i``;
+- ``inv_perm[r]``: the sorted position of flattened row ``r`` (``perm[inv_perm] == arange``);
+- ``counts[e]``: rows routed to expert ``e`` (int64); ``offs = cumsum(counts)`` as int32
+  (``torch._grouped_mm``'s cumulative ends; ``offs[-1] == T * k``).
+
+Pairs: ``permute`` (tokens -> sorted rows), ``unpermute`` (sorted rows -> ``(t, j)`` order),
+``weighted_combine`` (``out[t] = sum_j w[t, j] * rows[t * k + j]``) and ``combine_sum`` (the
+same without weights, for when they were applied on the expert side). Sums run in float32
+for half types (float64 stays float64) and are cast once. No host syncs; backward passes
+are deterministic (gathers, permutation scatters and fixed-order sums, no atomics).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_same, check_tensor, debug_checks
+from .activations import compute_dtype
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_top_k(top_k) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+
+
+def _check_perm(name: str, p, num_rows: int, device) -> None:
+    check_tensor(name, p, ndim=1, dtypes=_INDEX_DTYPES)
+    if p.shape[0] != num_rows:
+        raise ValueError(f"{name} must have one entry per routed row ({num_rows}), "
+                         f"got {p.shape[0]}")
+    if p.device != device:
+        raise ValueError(f"{name} must be on {device}, got {p.device}")
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def check_layout_args(topk_idx, num_experts) -> None:
+    check_tensor("topk_idx", topk_idx, ndim=2, dtypes=_INDEX_DTYPES)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    # Value check: free on CPU, a host sync on CUDA (debug only); skipped while compiling.
+    if (topk_idx.numel() and not torch.compiler.is_compiling()
+            and (topk_idx.device.type == "cpu" or debug_checks())):
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"topk_idx values must lie in [0, {num_experts}), got [{lo}, {hi}]"
+            )
+
+
+def layout(topk_idx, num_experts: int):
+    """``topk_idx (T, k)`` -> ``(counts int64 (E,), offs int32 (E,), perm int64 (T*k,),
+    inv_perm int64 (T*k,))``; ``perm`` is a stable sort of the flattened rows by expert."""
+    check_layout_args(topk_idx, num_experts)
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    n = flat.shape[0]
+    # scatter_add, not bincount: bincount on CUDA reads the max back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    perm = torch.sort(flat, stable=True)[1]
+    inv_perm = torch.empty_like(perm).scatter(
+        0, perm, torch.arange(n, dtype=torch.int64, device=flat.device)
+    )
+    return counts, offs, perm, inv_perm
+
+
+def _invert(p: torch.Tensor) -> torch.Tensor:
+    p = p.to(torch.int64)
+    return torch.empty_like(p).scatter(0, p, torch.arange(p.shape[0], dtype=torch.int64,
+                                                           device=p.device))
+
+
+# ----------------------------------------------------------------------------- permute
+
+
+class PermuteRes(NamedTuple):
+    perm: torch.Tensor       # (T*k,) int, sorted position -> flattened row
+    num_tokens: int          # T
+    top_k: int               # k
+
+
+def check_permute_args(x, perm, top_k) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_top_k(top_k)
+    _check_perm("perm", perm, x.shape[0] * top_k, x.device)
+
+
+def permute_fwd(x, perm, top_k: int):
+    """``rows[i] = x[perm[i] // top_k]``: ``x (T, H)`` -> ``rows (T*k, H)`` in sorted order."""
+    check_permute_args(x, perm, top_k)
+    rows = x.index_select(0, torch.div(perm, top_k, rounding_mode="floor"))
+    return rows, PermuteRes(perm, x.shape[0], top_k)
+
+
+# d_x[t] = sum_j d_rows[inv_perm[t*k + j]]  (a gather by the inverse, then a k-sum; no atomics).
+def permute_bwd(res: PermuteRes, d_rows, *, needs=(True,)):
+    """Returns ``d_x (T, H)`` in ``d_rows``' dtype."""
+    if not needs[0]:
+        return None
+    cd = compute_dtype(d_rows.dtype)
+    d_tk = d_rows.index_select(0, _invert(res.perm))
+    d_x = d_tk.to(cd).view(res.num_tokens, res.top_k, d_rows.shape[-1]).sum(dim=1)
+    return d_x.to(d_rows.dtype)
+
+
+# ----------------------------------------------------------------------------- unpermute
+
+
+class UnpermuteRes(NamedTuple):
+    inv_perm: torch.Tensor   # (T*k,) int, flattened row -> sorted position
+
+
+def check_unpermute_args(rows_sorted, inv_perm) -> None:
+    check_tensor("rows_sorted", rows_sorted, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_perm("inv_perm", inv_perm, rows_sorted.shape[0], rows_sorted.device)
+
+
+def unpermute_fwd(rows_sorted, inv_perm):
+    """``rows_tk[r] = rows_sorted[inv_perm[r]]``: back to ``(token, k)`` order."""
+    check_unpermute_args(rows_sorted, inv_perm)
+    return rows_sorted.index_select(0, inv_perm), UnpermuteRes(inv_perm)
+
+
+# d_sorted[inv_perm[r]] = d_tk[r]  (inv_perm is a permutation: a gather by perm).
+def unpermute_bwd(res: UnpermuteRes, d_rows_tk, *, needs=(True,)):
+    """Returns ``d_rows_sorted (T*k, H)``."""
+    if not needs[0]:
+        return None
+    return d_rows_tk.index_select(0, _invert(res.inv_perm))
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+class WeightedCombineRes(NamedTuple):
+    rows_tk: torch.Tensor    # (T*k, H) in (token, k) order
+    weights: torch.Tensor    # (T, k)
+    top_k: int
+
+
+def check_weighted_combine_args(rows_tk, weights, top_k) -> None:
+    check_tensor("rows_tk", rows_tk, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_top_k(top_k)
+    if weights.shape[1] != top_k:
+        raise ValueError(f"weights must have top_k ({top_k}) columns, got {weights.shape[1]}")
+    if rows_tk.shape[0] != weights.shape[0] * top_k:
+        raise ValueError(f"rows_tk must have T * top_k ({weights.shape[0]} * {top_k}) rows, "
+                         f"got {rows_tk.shape[0]}")
+    check_same("rows_tk and weights", rows_tk, weights, dtype=False)
+
+
+def weighted_combine_fwd(rows_tk, weights, top_k: int):
+    """``out[t] = sum_j rows_tk[t*k + j] * weights[t, j]``; ``out (T, H)`` in rows' dtype."""
+    check_weighted_combine_args(rows_tk, weights, top_k)
+    cd = compute_dtype(rows_tk.dtype)
+    t = weights.shape[0]
+    r = rows_tk.to(cd).reshape(t, top_k, rows_tk.shape[-1])
+    out = (r * weights.to(cd)[:, :, None]).sum(dim=1).to(rows_tk.dtype)
+    return out, WeightedCombineRes(rows_tk, weights, top_k)
+
+
+# d_rows[t*k + j] = d_out[t] * w[t, j];  d_w[t, j] = <d_out[t], rows[t*k + j]>.
+def weighted_combine_bwd(res: WeightedCombineRes, d_out, *, needs=(True, True)):
+    """Returns ``(d_rows_tk (T*k, H), d_weights (T, k))``."""
+    rows, w, k = res.rows_tk, res.weights, res.top_k
+    cd = compute_dtype(rows.dtype)
+    t, h = w.shape[0], rows.shape[-1]
+    d = d_out.to(cd)
+    d_rows = d_w = None
+    if needs[0]:
+        d_rows = (d[:, None, :] * w.to(cd)[:, :, None]).reshape(t * k, h).to(rows.dtype)
+    if needs[1]:
+        d_w = (rows.to(cd).reshape(t, k, h) * d[:, None, :]).sum(dim=-1).to(w.dtype)
+    return d_rows, d_w
+
+
+class CombineSumRes(NamedTuple):
+    num_tokens: int
+    top_k: int
+
+
+def check_combine_sum_args(rows_tk, top_k) -> None:
+    check_tensor("rows_tk", rows_tk, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_top_k(top_k)
+    if rows_tk.shape[0] % top_k:
+        raise ValueError(f"rows_tk's row count ({rows_tk.shape[0]}) must be a multiple of "
+                         f"top_k ({top_k})")
+
+
+def combine_sum_fwd(rows_tk, top_k: int):
+    """``out[t] = sum_j rows_tk[t*k + j]``; ``out (T, H)`` in rows' dtype."""
+    check_combine_sum_args(rows_tk, top_k)
+    cd = compute_dtype(rows_tk.dtype)
+    t = rows_tk.shape[0] // top_k
+    out = rows_tk.to(cd).reshape(t, top_k, rows_tk.shape[-1]).sum(dim=1).to(rows_tk.dtype)
+    return out, CombineSumRes(t, top_k)
+
+
+# d_rows[t*k + j] = d_out[t].
+def combine_sum_bwd(res: CombineSumRes, d_out, *, needs=(True,)):
+    """Returns ``d_rows_tk (T*k, H)`` (a materialised expand of ``d_out``)."""
+    if not needs[0]:
+        return None
+    t, k = res.num_tokens, res.top_k
+    return d_out[:, None, :].expand(t, k, d_out.shape[-1]).reshape(t * k, d_out.shape[-1])

@@ -1,0 +1,131 @@
+"""The expert MLP: ``y = down(act(gate_up(x)) [* weights])`` per expert.
+
+x ``(N, H)`` with rows grouped by expert (``offs (E,)`` int32 cumulative ends),
+``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``, optional routing weight
+``weights (N,)`` folded into the activation. ``fused`` picks one GEMM over the packed weight
+plus the packed activation; otherwise two GEMMs over its halves plus the separate one.
+
+The backward is split in two so the weight gradients can be deferred:
+``experts_bwd_input`` returns dX (and the routing-weight gradient) at once plus an
+``ExpertsWgradWork`` holding exactly what the weight gradients need, and
+``experts_bwd_weight(work)`` runs the dW GEMMs whenever the caller chooses.
+
+``act_impl`` is any object with ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd`` and
+``swiglu_packed_bwd`` of the pure signatures (``moe_fn.kernels`` for the shells); it
+defaults to ``pure.activations`` and is kept in ``res`` as a static field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from . import activations as _pure_act
+from .activations import SwigluPackedRes, SwigluRes
+from .gate_up import gate_up_separate_dw, gate_up_separate_dx, weight_halves
+from .grouped import grouped_linear_dw, grouped_linear_dx, grouped_linear_fwd
+
+
+class ExpertsRes(NamedTuple):
+    x: torch.Tensor  # (N, H)
+    gate_up_proj: torch.Tensor  # (E, 2I, H)
+    down_proj: torch.Tensor  # (E, H, I)
+    offs: torch.Tensor  # (E,) int32
+    gate_up: torch.Tensor | None  # (N, 2I) pre-activation, packed (fused path)
+    gate: torch.Tensor | None  # (N, I) pre-activation gate (separate path)
+    up: torch.Tensor | None  # (N, I) pre-activation up (separate path)
+    h: torch.Tensor  # (N, I) activation output (weights folded in): input of down
+    weights: torch.Tensor | None  # (N,) routing weight or None
+    act_id: int
+    alpha: float
+    limit: float
+    layout_id: int
+    fused: bool
+    act_impl: Any  # static: the activation implementation (module or namespace)
+
+
+class ExpertsWgradWork(NamedTuple):
+    """What the weight gradients need, and nothing else."""
+
+    x: torch.Tensor  # (N, H)
+    h: torch.Tensor  # (N, I)
+    dy: torch.Tensor  # (N, H), contiguous
+    d_gate_up: torch.Tensor | None  # (N, 2I) packed pre-activation gradient (fused)
+    d_gate: torch.Tensor | None  # (N, I) (separate)
+    d_up: torch.Tensor | None  # (N, I) (separate)
+    offs: torch.Tensor
+    layout_id: int
+    fused: bool
+
+
+def experts_fwd(x, gate_up_proj, down_proj, offs, weights=None, *, act_id: int, alpha: float,
+                limit: float, layout_id: int, fused: bool, act_impl=None):
+    """``y (N, H)`` and the residual for ``experts_bwd*``."""
+    impl = _pure_act if act_impl is None else act_impl
+    gate_up = gate = up = None
+    if fused:
+        gate_up, _ = grouped_linear_fwd(x, gate_up_proj, offs)
+        h, _ = impl.swiglu_packed_fwd(gate_up, weights, act_id=act_id, alpha=alpha,
+                                      limit=limit, layout_id=layout_id)
+    else:
+        w_gate, w_up = weight_halves(gate_up_proj, layout_id)
+        gate, _ = grouped_linear_fwd(x, w_gate, offs)
+        up, _ = grouped_linear_fwd(x, w_up, offs)
+        h, _ = impl.swiglu_fwd(gate, up, weights, act_id=act_id, alpha=alpha, limit=limit)
+    y, _ = grouped_linear_fwd(h, down_proj, offs)
+    res = ExpertsRes(x, gate_up_proj, down_proj, offs, gate_up, gate, up, h, weights, act_id,
+                     alpha, limit, layout_id, bool(fused), act_impl)
+    return y, res
+
+
+# dh = dy @ D_e;  (dg, du, dw) = act'(g, u, w) * dh;  dx = [dg du] @ W_e (one GEMM when fused).
+def experts_bwd_input(res: ExpertsRes, dy, *, needs_x: bool = True, needs_weights: bool = True):
+    """Returns ``(dx (N, H) or None, d_weights (N,) or None, ExpertsWgradWork)``."""
+    impl = _pure_act if res.act_impl is None else res.act_impl
+    dy = dy.contiguous()
+    dh = grouped_linear_dx(dy, res.down_proj, res.offs)
+    needs_w = needs_weights and res.weights is not None
+    dx = d_gate_up = d_gate = d_up = None
+    if res.fused:
+        ares = SwigluPackedRes(res.gate_up, res.weights, res.act_id, res.alpha, res.limit,
+                               res.layout_id)
+        d_gate_up, d_weights = impl.swiglu_packed_bwd(ares, dh, needs=(True, needs_w))
+        d_gate_up = d_gate_up.contiguous()
+        if needs_x:
+            dx = grouped_linear_dx(d_gate_up, res.gate_up_proj, res.offs)
+    else:
+        ares = SwigluRes(res.gate, res.up, res.weights, res.act_id, res.alpha, res.limit)
+        d_gate, d_up, d_weights = impl.swiglu_bwd(ares, dh, needs=(True, True, needs_w))
+        d_gate, d_up = d_gate.contiguous(), d_up.contiguous()
+        if needs_x:
+            dx = gate_up_separate_dx(d_gate, d_up, res.gate_up_proj, res.offs,
+                                     layout_id=res.layout_id)
+    if not needs_w:
+        d_weights = None
+    work = ExpertsWgradWork(res.x, res.h, dy, d_gate_up, d_gate, d_up, res.offs, res.layout_id,
+                            res.fused)
+    return dx, d_weights, work
+
+
+# dW_gate_up_e = d[g u]_e^T @ x_e (packed as the weight);  dD_e = dy_e^T @ h_e.
+def experts_bwd_weight(work: ExpertsWgradWork, *, needs=(True, True)):
+    """Returns ``(d_gate_up_proj (E, 2I, H), d_down_proj (E, H, I))``; zeros for empty
+    experts, None where ``needs`` says it is not wanted."""
+    d_gup = d_down = None
+    if needs[0]:
+        if work.fused:
+            d_gup = grouped_linear_dw(work.x, work.d_gate_up, work.offs)
+        else:
+            d_gup = gate_up_separate_dw(work.x, work.d_gate, work.d_up, work.offs,
+                                        layout_id=work.layout_id)
+    if needs[1]:
+        d_down = grouped_linear_dw(work.h, work.dy, work.offs)
+    return d_gup, d_down
+
+
+def experts_bwd(res: ExpertsRes, dy, *, needs=(True, True, True, True)):
+    """Returns ``(dx, d_gate_up_proj, d_down_proj, d_weights)``; ``needs`` follows that order."""
+    dx, d_weights, work = experts_bwd_input(res, dy, needs_x=needs[0], needs_weights=needs[3])
+    d_gup, d_down = experts_bwd_weight(work, needs=(needs[1], needs[2]))
+    return dx, d_gup, d_down, d_weights

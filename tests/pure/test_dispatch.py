@@ -1,0 +1,299 @@
+"""Dispatch layout and row movement pairs against naive Python, plus float64 gradcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_fn.pure.dispatch import (
+    combine_sum_bwd,
+    combine_sum_fwd,
+    layout,
+    permute_bwd,
+    permute_fwd,
+    unpermute_bwd,
+    unpermute_fwd,
+    weighted_combine_bwd,
+    weighted_combine_fwd,
+)
+
+
+class _Pair(torch.autograd.Function):
+    """Autograd over one pure pair: forward = fwd, backward = bwd (for gradcheck)."""
+
+    @staticmethod
+    def forward(ctx, fwd, bwd, static, n_diff, *args):
+        out, res = fwd(*args, **static)
+        ctx.res, ctx.bwd, ctx.n_diff, ctx.n_args = res, bwd, n_diff, len(args)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        grads = ctx.bwd(ctx.res, d_out)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        assert len(grads) == ctx.n_diff
+        return (None,) * 4 + grads + (None,) * (ctx.n_args - ctx.n_diff)
+
+
+def _apply(fwd, bwd, static, n_diff, *args):
+    return _Pair.apply(fwd, bwd, static, n_diff, *args)
+
+
+@st.composite
+def routes(draw, max_tokens=12, max_k=4, max_experts=8):
+    """``topk_idx (T, k)`` over E experts; the drawn experts may leave some with no rows."""
+    t = draw(st.integers(0, max_tokens))
+    k = draw(st.integers(1, max_k))
+    e = draw(st.integers(1, max_experts))
+    # Bias towards few distinct experts so empty experts are common.
+    used = draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=e, unique=True))
+    flat = draw(st.lists(st.sampled_from(used), min_size=t * k, max_size=t * k))
+    return torch.tensor(flat, dtype=torch.int64).reshape(t, k), e
+
+
+def naive_layout(topk_idx, e):
+    flat = topk_idx.reshape(-1).tolist()
+    counts = [flat.count(x) for x in range(e)]
+    offs, acc = [], 0
+    for c in counts:
+        acc += c
+        offs.append(acc)
+    perm = sorted(range(len(flat)), key=lambda r: (flat[r], r))
+    inv = [0] * len(flat)
+    for i, r in enumerate(perm):
+        inv[r] = i
+    return counts, offs, perm, inv
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@settings(max_examples=150, deadline=None)
+@given(route=routes(), idx32=st.booleans())
+def test_layout_against_naive(route, idx32):
+    topk_idx, e = route
+    if idx32:
+        topk_idx = topk_idx.to(torch.int32)
+    counts, offs, perm, inv = layout(topk_idx, e)
+    assert counts.dtype == torch.int64 and offs.dtype == torch.int32
+    assert perm.dtype == torch.int64 and inv.dtype == torch.int64
+    n_counts, n_offs, n_perm, n_inv = naive_layout(topk_idx, e)
+    assert counts.tolist() == n_counts
+    assert offs.tolist() == n_offs
+    assert perm.tolist() == n_perm
+    assert inv.tolist() == n_inv
+    n = topk_idx.numel()
+    assert torch.equal(perm[inv], torch.arange(n)) and torch.equal(inv[perm], torch.arange(n))
+    flat = topk_idx.reshape(-1).long()
+    # Sorted by expert; stable: within one expert the flattened rows ascend.
+    sorted_e = flat[perm]
+    assert bool((sorted_e[1:] >= sorted_e[:-1]).all())
+    same = sorted_e[1:] == sorted_e[:-1]
+    assert bool((perm[1:][same] > perm[:-1][same]).all())
+    # Segment e of the sorted rows holds exactly expert e.
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), offs.long()[:-1]])
+    for x in range(e):
+        assert bool((sorted_e[starts[x]:offs[x]] == x).all())
+    assert int(offs[-1]) == n
+
+
+@settings(max_examples=100, deadline=None)
+@given(route=routes(), h=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_permute_unpermute_against_naive(route, h, seed):
+    topk_idx, e = route
+    t, k = topk_idx.shape
+    _, _, perm, inv = layout(topk_idx, e)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed))
+    rows, _ = permute_fwd(x, perm, k)
+    naive = torch.stack([x[p // k] for p in perm.tolist()]) if t else x.new_zeros(0, h)
+    assert torch.equal(rows, naive)
+    # Round trip: back in (token, k) order each token appears k times.
+    rows_tk, _ = unpermute_fwd(rows, inv)
+    assert torch.equal(rows_tk, x.repeat_interleave(k, dim=0))
+    # Backward of permute: each token receives the sum of its k rows' gradients.
+    _, res = permute_fwd(x, perm, k)
+    d_rows = torch.randn(t * k, h, generator=torch.Generator().manual_seed(seed + 1))
+    d_x = permute_bwd(res, d_rows)
+    ref = torch.zeros(t, h)
+    for i, p in enumerate(perm.tolist()):
+        ref[p // k] += d_rows[i]
+    torch.testing.assert_close(d_x, ref)
+    # Backward of unpermute: a gather by perm.
+    _, ures = unpermute_fwd(rows, inv)
+    d_tk = torch.randn(t * k, h, generator=torch.Generator().manual_seed(seed + 2))
+    assert torch.equal(unpermute_bwd(ures, d_tk), d_tk[perm])
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(0, 6), k=st.integers(1, 4), h=st.integers(1, 5),
+       seed=st.integers(0, 2**31 - 1))
+def test_weighted_combine_against_loops(t, k, h, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(t * k, h, generator=gen, dtype=torch.float64)
+    w = torch.rand(t, k, generator=gen, dtype=torch.float64)
+    out, res = weighted_combine_fwd(rows, w, k)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for i in range(t):
+        for j in range(k):
+            ref[i] += rows[i * k + j] * w[i, j]
+    torch.testing.assert_close(out, ref)
+    d_out = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    d_rows, d_w = weighted_combine_bwd(res, d_out)
+    ref_rows = torch.zeros_like(rows)
+    ref_w = torch.zeros_like(w)
+    for i in range(t):
+        for j in range(k):
+            ref_rows[i * k + j] = d_out[i] * w[i, j]
+            ref_w[i, j] = (d_out[i] * rows[i * k + j]).sum()
+    torch.testing.assert_close(d_rows, ref_rows)
+    torch.testing.assert_close(d_w, ref_w)
+    assert weighted_combine_bwd(res, d_out, needs=(False, True))[0] is None
+    assert weighted_combine_bwd(res, d_out, needs=(True, False))[1] is None
+    s, sres = combine_sum_fwd(rows, k)
+    torch.testing.assert_close(s, rows.reshape(t, k, h).sum(1))
+    torch.testing.assert_close(combine_sum_bwd(sres, d_out), d_out.repeat_interleave(k, dim=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_half_accumulates_in_fp32(dtype):
+    gen = torch.Generator().manual_seed(0)
+    t, k, h = 16, 8, 32
+    rows = torch.randn(t * k, h, generator=gen).to(dtype)
+    w = torch.rand(t, k, generator=gen)
+    out, res = weighted_combine_fwd(rows, w, k)
+    assert out.dtype == dtype
+    ref = (rows.float().reshape(t, k, h) * w[:, :, None]).sum(1).to(dtype)
+    assert torch.equal(out, ref)  # one fp32 sum, cast once
+    d_rows, d_w = weighted_combine_bwd(res, torch.ones(t, h, dtype=dtype))
+    assert d_rows.dtype == dtype and d_w.dtype == torch.float32
+    s, _ = combine_sum_fwd(rows, k)
+    assert torch.equal(s, rows.float().reshape(t, k, h).sum(1).to(dtype))
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    _, _, perm, _ = layout(torch.randint(0, 4, (t, k), generator=gen), 4)
+    _, pres = permute_fwd(x, perm, k)
+    d_x = permute_bwd(pres, rows)
+    assert d_x.dtype == dtype
+    inv = torch.argsort(perm)
+    assert torch.equal(d_x, rows[inv].float().reshape(t, k, h).sum(1).to(dtype))
+
+
+# ----------------------------------------------------------------------------- gradcheck
+
+
+def _f64(*shape, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+
+def test_gradcheck_all_pairs():
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, h = 5, 3, 6, 4
+    topk_idx = torch.randint(0, e - 2, (t, k), generator=gen)  # experts 4, 5 stay empty
+    _, _, perm, inv = layout(topk_idx, e)
+    x = _f64(t, h, gen=gen)
+    assert torch.autograd.gradcheck(
+        lambda x: _apply(permute_fwd, permute_bwd, {"top_k": k}, 1, x, perm), (x,))
+    rows = _f64(t * k, h, gen=gen)
+    assert torch.autograd.gradcheck(
+        lambda r: _apply(unpermute_fwd, unpermute_bwd, {}, 1, r, inv), (rows,))
+    w = _f64(t, k, gen=gen)
+    assert torch.autograd.gradcheck(
+        lambda r, w: _apply(weighted_combine_fwd, weighted_combine_bwd, {"top_k": k}, 2, r, w),
+        (rows, w))
+    assert torch.autograd.gradcheck(
+        lambda r: _apply(combine_sum_fwd, combine_sum_bwd, {"top_k": k}, 1, r), (rows,))
+    # The whole path against autograd of the naive composition.
+    out = _apply(weighted_combine_fwd, weighted_combine_bwd, {"top_k": k}, 2,
+                 _apply(unpermute_fwd, unpermute_bwd, {}, 1,
+                        _apply(permute_fwd, permute_bwd, {"top_k": k}, 1, x, perm) * 2.0,
+                        inv), w)
+    naive = (x.repeat_interleave(k, 0).reshape(t, k, h) * 2.0 * w[:, :, None]).sum(1)
+    torch.testing.assert_close(out, naive)
+    d = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(out, (x, w), d),
+                               torch.autograd.grad(naive, (x, w), d))
+
+
+def test_zero_stride_grads():
+    t, k, h = 4, 2, 3
+    rows = torch.randn(t * k, h)
+    w = torch.rand(t, k)
+    _, res = weighted_combine_fwd(rows, w, k)
+    d = torch.ones(1, 1).expand(t, h)
+    a = weighted_combine_bwd(res, d)
+    b = weighted_combine_bwd(res, d.contiguous())
+    torch.testing.assert_close(a, b)
+    _, sres = combine_sum_fwd(rows, k)
+    torch.testing.assert_close(combine_sum_bwd(sres, d), combine_sum_bwd(sres, d.contiguous()))
+    _, _, perm, inv = layout(torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1]]), 2)
+    _, pres = permute_fwd(torch.randn(t, h), perm, k)
+    dr = torch.ones(1, 1).expand(t * k, h)
+    torch.testing.assert_close(permute_bwd(pres, dr), permute_bwd(pres, dr.contiguous()))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_bad_args_raise():
+    with pytest.raises(ValueError, match="topk_idx"):
+        layout(torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match="topk_idx"):
+        layout(torch.tensor([[-1, 0]]), 4)
+    with pytest.raises(ValueError, match="num_experts"):
+        layout(torch.tensor([[0, 1]]), 0)
+    with pytest.raises(TypeError, match="topk_idx"):
+        layout(torch.tensor([[0.0, 1.0]]), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        permute_fwd(torch.zeros(2, 3), torch.arange(2), 0)
+    with pytest.raises(ValueError, match="perm"):
+        permute_fwd(torch.zeros(2, 3), torch.arange(3), 2)
+    with pytest.raises(ValueError, match="inv_perm"):
+        unpermute_fwd(torch.zeros(4, 3), torch.arange(3))
+    with pytest.raises(ValueError, match="weights"):
+        weighted_combine_fwd(torch.zeros(4, 3), torch.zeros(2, 3), 2)
+    with pytest.raises(ValueError, match="rows_tk"):
+        weighted_combine_fwd(torch.zeros(5, 3), torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match="rows_tk"):
+        combine_sum_fwd(torch.zeros(5, 3), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        combine_sum_fwd(torch.zeros(4, 3), True)
+
+
+def test_empty():
+    counts, offs, perm, inv = layout(torch.zeros(0, 2, dtype=torch.int64), 3)
+    assert counts.tolist() == [0, 0, 0] and offs.tolist() == [0, 0, 0]
+    assert perm.numel() == 0 and inv.numel() == 0
+    rows, res = permute_fwd(torch.zeros(0, 4), perm, 2)
+    assert rows.shape == (0, 4) and permute_bwd(res, rows).shape == (0, 4)
+    out, res = weighted_combine_fwd(torch.zeros(0, 4), torch.zeros(0, 2), 2)
+    assert out.shape == (0, 4)
+
+
+def test_compile_fullgraph_route_and_move():
+    """Router and dispatch pairs (residuals included) trace under fullgraph compile."""
+    from moe_fn.pure.router import router_bwd, router_fwd
+
+    def f(logits, bias, x):
+        (idx, w), rres = router_fwd(logits, bias, top_k=2, score_func="sigmoid",
+                                    norm_topk_prob=True, n_group=2, topk_group=1,
+                                    routed_scaling_factor=2.0)
+        d_logits = router_bwd(rres, torch.ones_like(w))
+        counts, offs, perm, inv = layout(idx, logits.shape[1])
+        rows, pres = permute_fwd(x, perm, 2)
+        rows_tk, ures = unpermute_fwd(rows, inv)
+        out, cres = weighted_combine_fwd(rows_tk, w, 2)
+        d_rows, _ = weighted_combine_bwd(cres, torch.ones_like(out))
+        d_x = permute_bwd(pres, unpermute_bwd(ures, d_rows))
+        return out, d_logits, d_x, counts, offs
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(6, 8, generator=gen), torch.randn(8, generator=gen),
+            torch.randn(6, 4, generator=gen))
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    for a, b in zip(f(*args), got):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,192 @@
+"""The kernels as torch custom ops (namespace ``moe_fn``), each with a fake.
+
+Every op runs the Triton kernel for CUDA tensors of a kernel dtype (float16, bfloat16,
+float32) and the pure pair for everything else (CPU, float64), so the ops are usable and
+``opcheck``-able everywhere. Custom ops cannot return ``None``: a gradient that was not
+asked for (``need_*`` False, or ``d_weights`` without weights) comes back as an empty
+tensor and the Python wrappers in ``moe_fn.kernels`` turn it into ``None``. No autograd is
+registered here: autograd lives in the shells (``moe_fn.autograd``).
+
+(No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations as
+the op schema.)
+"""
+
+import torch
+
+from ..pure import activations as _pa
+from ..pure import row_weight as _pr
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op with input ``t`` runs the Triton kernel (CUDA, non-float64)."""
+    return t.is_cuda and t.dtype in _KERNEL_DTYPES
+
+
+def _empty(ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty((0,), dtype=ref.dtype if dtype is None else dtype, device=ref.device)
+
+
+def _fresh(t: torch.Tensor | None, ref: torch.Tensor, dtype=None) -> torch.Tensor:
+    return _empty(ref, dtype) if t is None else t.contiguous()
+
+
+def _check_dh(dh: torch.Tensor, shape) -> None:
+    if not isinstance(dh, torch.Tensor) or tuple(dh.shape) != tuple(shape):
+        got = tuple(dh.shape) if isinstance(dh, torch.Tensor) else type(dh).__name__
+        raise ValueError(f"the incoming gradient must have shape {tuple(shape)}, got {got}")
+
+
+def _dw_dtype(weights, ref):
+    return ref.dtype if weights is None else weights.dtype
+
+
+# ----------------------------------------------------------------------------- swiglu
+
+
+@torch.library.custom_op("moe_fn::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                  act_id: int, alpha: float, limit: float) -> torch.Tensor:
+    _pa.check_swiglu_args(gate, up, weights)
+    if use_triton(gate):
+        from . import activation
+
+        return activation.launch_swiglu_fwd(gate, up, weights, act_id, alpha, limit)
+    h, _ = _pa.swiglu_fwd(gate, up, weights, act_id=act_id, alpha=alpha, limit=limit)
+    return h.contiguous()
+
+
+@swiglu_fwd_op.register_fake
+def _(gate, up, weights, act_id, alpha, limit):
+    _pa.check_swiglu_args(gate, up, weights)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("moe_fn::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
+                  dh: torch.Tensor, act_id: int, alpha: float, limit: float,
+                  need_gate: bool, need_up: bool, need_weights: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_args(gate, up, weights)
+    _check_dh(dh, gate.shape)
+    needs = (need_gate, need_up, need_weights)
+    if use_triton(gate):
+        from . import activation
+
+        dg, du, dw = activation.launch_swiglu_bwd(gate, up, weights, dh, act_id, alpha, limit,
+                                                  needs)
+    else:
+        res = _pa.SwigluRes(gate, up, weights, act_id, alpha, limit)
+        dg, du, dw = _pa.swiglu_bwd(res, dh, needs=needs)
+    return (_fresh(dg, gate), _fresh(du, up),
+            _fresh(dw if need_weights else None, gate, _dw_dtype(weights, gate)))
+
+
+@swiglu_bwd_op.register_fake
+def _(gate, up, weights, dh, act_id, alpha, limit, need_gate, need_up, need_weights):
+    _pa.check_swiglu_args(gate, up, weights)
+    _check_dh(dh, gate.shape)
+    dg = gate.new_empty(gate.shape) if need_gate else _empty(gate)
+    du = up.new_empty(up.shape) if need_up else _empty(up)
+    if weights is not None and need_weights:
+        dw = weights.new_empty(weights.shape)
+    else:
+        dw = _empty(gate, _dw_dtype(weights, gate))
+    return dg, du, dw
+
+
+@torch.library.custom_op("moe_fn::swiglu_packed_fwd", mutates_args=())
+def swiglu_packed_fwd_op(gate_up: torch.Tensor, weights: torch.Tensor | None, act_id: int,
+                         alpha: float, limit: float, layout_id: int) -> torch.Tensor:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    if use_triton(gate_up):
+        from . import activation
+
+        return activation.launch_swiglu_packed_fwd(gate_up, weights, act_id, alpha, limit,
+                                                   layout_id)
+    h, _ = _pa.swiglu_packed_fwd(gate_up, weights, act_id=act_id, alpha=alpha, limit=limit,
+                                 layout_id=layout_id)
+    return h.contiguous()
+
+
+@swiglu_packed_fwd_op.register_fake
+def _(gate_up, weights, act_id, alpha, limit, layout_id):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op("moe_fn::swiglu_packed_bwd", mutates_args=())
+def swiglu_packed_bwd_op(gate_up: torch.Tensor, weights: torch.Tensor | None,
+                         dh: torch.Tensor, act_id: int, alpha: float, limit: float,
+                         layout_id: int, need_gate_up: bool, need_weights: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    needs = (need_gate_up, need_weights)
+    if use_triton(gate_up):
+        from . import activation
+
+        dgu, dw = activation.launch_swiglu_packed_bwd(gate_up, weights, dh, act_id, alpha,
+                                                      limit, layout_id, needs)
+    else:
+        res = _pa.SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
+        dgu, dw = _pa.swiglu_packed_bwd(res, dh, needs=needs)
+    return (_fresh(dgu, gate_up),
+            _fresh(dw if need_weights else None, gate_up, _dw_dtype(weights, gate_up)))
+
+
+@swiglu_packed_bwd_op.register_fake
+def _(gate_up, weights, dh, act_id, alpha, limit, layout_id, need_gate_up, need_weights):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    dgu = gate_up.new_empty(gate_up.shape) if need_gate_up else _empty(gate_up)
+    if weights is not None and need_weights:
+        dw = weights.new_empty(weights.shape)
+    else:
+        dw = _empty(gate_up, _dw_dtype(weights, gate_up))
+    return dgu, dw
+
+
+# ----------------------------------------------------------------------------- row weighting
+
+
+@torch.library.custom_op("moe_fn::row_weight_fwd", mutates_args=())
+def row_weight_fwd_op(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    _pr.check_row_weight_args(rows, weights)
+    if use_triton(rows):
+        from . import row_weight
+
+        return row_weight.launch_row_weight_fwd(rows, weights)
+    out, _ = _pr.row_weight_fwd(rows, weights)
+    return out.contiguous()
+
+
+@row_weight_fwd_op.register_fake
+def _(rows, weights):
+    _pr.check_row_weight_args(rows, weights)
+    return rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("moe_fn::row_weight_bwd", mutates_args=())
+def row_weight_bwd_op(rows: torch.Tensor, weights: torch.Tensor, d_out: torch.Tensor,
+                      need_rows: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _pr.check_row_weight_args(rows, weights)
+    _check_dh(d_out, rows.shape)
+    needs = (need_rows, need_weights)
+    if use_triton(rows):
+        from . import row_weight
+
+        dx, dw = row_weight.launch_row_weight_bwd(rows, weights, d_out, needs)
+    else:
+        dx, dw = _pr.row_weight_bwd(_pr.RowWeightRes(rows, weights), d_out, needs=needs)
+    return _fresh(dx, rows), _fresh(dw, weights)
+
+
+@row_weight_bwd_op.register_fake
+def _(rows, weights, d_out, need_rows, need_weights):
+    _pr.check_row_weight_args(rows, weights)
+    _check_dh(d_out, rows.shape)
+    dx = rows.new_empty(rows.shape) if need_rows else _empty(rows)
+    dw = weights.new_empty(weights.shape) if need_weights else _empty(weights)
+    return dx, dw

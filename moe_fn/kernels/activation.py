@@ -1,0 +1,361 @@
+"""Triton kernels for the gated activation family (``moe_fn.pure.activations`` is the contract).
+
+One forward and one backward kernel serve every input form. Each takes a base pointer, a
+row stride and a column stride for ``gate`` and for ``up``:
+
+- separate ``(gate, up)``: two tensors, any strides (slices, transposes, expanded views);
+- packed halves: the same storage, ``up`` offset by ``I`` columns;
+- packed interleaved: ``gate`` at even columns, ``up`` at odd ones. With a unit column stride
+  the kernel loads one contiguous ``(BLOCK_R, 2 * BLOCK_C)`` tile and splits the pairs in
+  registers (``PAIRED``) so the loads stay vectorised; otherwise it reads two stride-2 views.
+
+A program owns ``BLOCK_R`` rows and walks the ``I`` columns in ``BLOCK_C`` chunks, so the
+``d_weights`` row reduction stays in registers (float32) and needs no atomics. Math runs in
+float32; stores cast to the output dtype. Float64 is not a kernel dtype (the op layer sends
+it to the pure path).
+
+On a GPU (not interpreting) the launch is autotuned over ``(BLOCK_R, BLOCK_C, num_warps)``
+keyed on ``I`` and the static flags; ``MOE_FN_AUTOTUNE=0`` picks a fixed heuristic instead
+(e.g. for CUDA-graph capture, where benchmarking is not allowed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..pure.activations import LAYOUT_ID, split_packed
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _autotune_enabled() -> bool:
+    return not interpreting() and os.environ.get("MOE_FN_AUTOTUNE", "1") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------- math
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _act_fwd_math(g, u, alpha, limit, ACT: tl.constexpr):
+    """``act(g, u)`` in float32; ACT: 0 swiglu, 1 swiglu_clamped, 2 swiglu_oai, 3 geglu_tanh."""
+    if ACT == 0:
+        a = g * _sigmoid(g) * u
+    elif ACT == 1:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        a = gc * _sigmoid(gc) * uc
+    elif ACT == 2:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        a = (uc + 1.0) * (gc * _sigmoid(alpha * gc))
+    else:
+        # 0.5 * (1 + tanh(z)) = sigmoid(2 z): no cancellation near tanh = -1.
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g * _sigmoid(2.0 * z) * u
+    return a
+
+
+@triton.jit
+def _act_bwd_math(g, u, alpha, limit, ACT: tl.constexpr):
+    """``(act, d act/d g, d act/d u)`` in float32; clamps pass the gradient on the closed
+    interval, as ``torch.clamp`` does."""
+    if ACT == 0:
+        s = _sigmoid(g)
+        silu = g * s
+        a = silu * u
+        dg = u * s * (1.0 + g * (1.0 - s))
+        du = silu
+    elif ACT == 1:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(gc)
+        silu = gc * s
+        a = silu * uc
+        dg = (uc * s * (1.0 + gc * (1.0 - s))) * (g <= limit).to(tl.float32)
+        du = silu * ((u >= -limit) & (u <= limit)).to(tl.float32)
+    elif ACT == 2:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(alpha * gc)
+        glu = gc * s
+        a = (uc + 1.0) * glu
+        dg = ((uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s))) * (g <= limit).to(tl.float32)
+        du = glu * ((u >= -limit) & (u <= limit)).to(tl.float32)
+    else:
+        # With s = sigmoid(2 z) = (1 + tanh z) / 2 and sm = sigmoid(-2 z) = 1 - s:
+        # 0.5 (1 + t) = s and 1 - t^2 = 4 s sm, both free of cancellation.
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        s = _sigmoid(2.0 * z)
+        sm = _sigmoid(-2.0 * z)
+        gelu = g * s
+        a = gelu * u
+        dgelu = s + 2.0 * g * s * sm * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        dg = u * dgelu
+        du = gelu
+    return a, dg, du
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_pair(g_ptr, u_ptr, rows, c0, rmask, I, s_gr, s_gc, s_ur, s_uc,
+               PAIRED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_C)
+    if PAIRED:
+        # One contiguous tile of interleaved pairs (g0 u0 g1 u1 ...), split in registers.
+        pcols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
+        m = rmask[:, None] & (pcols < 2 * I)[None, :]
+        x = tl.load(g_ptr + rows[:, None] * s_gr + pcols[None, :], mask=m, other=0.0)
+        x = tl.reshape(x.to(tl.float32), (BLOCK_R, BLOCK_C, 2))
+        g, u = tl.split(x)
+    else:
+        m = rmask[:, None] & (cols < I)[None, :]
+        g = tl.load(g_ptr + rows[:, None] * s_gr + cols[None, :] * s_gc, mask=m, other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * s_ur + cols[None, :] * s_uc, mask=m, other=0.0)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _act_fwd_kernel(g_ptr, u_ptr, w_ptr, h_ptr, N, I,
+                    s_gr, s_gc, s_ur, s_uc, s_w, s_hr,
+                    alpha, limit,
+                    ACT: tl.constexpr, HAS_W: tl.constexpr, PAIRED: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < N
+    if HAS_W:
+        w = tl.load(w_ptr + rows * s_w, mask=rmask, other=0.0).to(tl.float32)
+    for c0 in range(0, I, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        g, u = _load_pair(g_ptr, u_ptr, rows, c0, rmask, I, s_gr, s_gc, s_ur, s_uc,
+                          PAIRED, BLOCK_R, BLOCK_C)
+        a = _act_fwd_math(g, u, alpha, limit, ACT)
+        if HAS_W:
+            a = a * w[:, None]
+        m = rmask[:, None] & (cols < I)[None, :]
+        tl.store(h_ptr + rows[:, None] * s_hr + cols[None, :],
+                 a.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _act_bwd_kernel(g_ptr, u_ptr, w_ptr, dh_ptr, dg_ptr, du_ptr, dw_ptr, N, I,
+                    s_gr, s_gc, s_ur, s_uc, s_w, s_dhr, s_dhc, s_dgr, s_dur,
+                    alpha, limit,
+                    ACT: tl.constexpr, HAS_W: tl.constexpr, NEED_DG: tl.constexpr,
+                    NEED_DU: tl.constexpr, NEED_DW: tl.constexpr, PAIRED: tl.constexpr,
+                    PAIRED_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < N
+    if HAS_W:
+        w = tl.load(w_ptr + rows * s_w, mask=rmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols < I)[None, :]
+        g, u = _load_pair(g_ptr, u_ptr, rows, c0, rmask, I, s_gr, s_gc, s_ur, s_uc,
+                          PAIRED, BLOCK_R, BLOCK_C)
+        dh = tl.load(dh_ptr + rows[:, None] * s_dhr + cols[None, :] * s_dhc, mask=m, other=0.0)
+        dh = dh.to(tl.float32)
+        a, da_dg, da_du = _act_bwd_math(g, u, alpha, limit, ACT)
+        if HAS_W:
+            if NEED_DW:
+                dw_acc += tl.sum(dh * a, axis=1)
+            dh = dh * w[:, None]
+        dg = dh * da_dg
+        du = dh * da_du
+        if PAIRED_OUT:
+            pcols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
+            pm = rmask[:, None] & (pcols < 2 * I)[None, :]
+            x = tl.reshape(tl.join(dg, du), (BLOCK_R, 2 * BLOCK_C))
+            tl.store(dg_ptr + rows[:, None] * s_dgr + pcols[None, :],
+                     x.to(dg_ptr.dtype.element_ty), mask=pm)
+        else:
+            if NEED_DG:
+                tl.store(dg_ptr + rows[:, None] * s_dgr + cols[None, :],
+                         dg.to(dg_ptr.dtype.element_ty), mask=m)
+            if NEED_DU:
+                tl.store(du_ptr + rows[:, None] * s_dur + cols[None, :],
+                         du.to(du_ptr.dtype.element_ty), mask=m)
+    if NEED_DW:  # implies HAS_W
+        tl.store(dw_ptr + rows, dw_acc.to(dw_ptr.dtype.element_ty), mask=rmask)
+
+
+# ----------------------------------------------------------------------------- launch config
+
+# (BLOCK_R, BLOCK_C, num_warps): 1K-8K elements per column step; a short list keeps the
+# first-call tuning (one compile per config and key) to seconds.
+_CONFIGS = [
+    triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=nw)
+    for r, c, nw in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (2, 512, 4), (4, 512, 4),
+                     (8, 512, 8), (4, 256, 4), (16, 256, 8))
+]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop column blocks much wider than the row (all-masked lanes); keep at least one."""
+    width = named_args["I"] if "I" in named_args else named_args["H"]
+    width = triton.next_power_of_2(max(int(width), 1))
+    kept = [c for c in configs if c.kwargs["BLOCK_C"] <= max(width, 256)]
+    return kept or configs[:1]
+
+
+_KEYS_FWD = ["I", "ACT", "HAS_W", "PAIRED"]
+_KEYS_BWD = ["I", "ACT", "HAS_W", "NEED_DG", "NEED_DU", "NEED_DW", "PAIRED", "PAIRED_OUT"]
+_act_fwd_tuned = triton.autotune(_CONFIGS, key=_KEYS_FWD,
+                                 prune_configs_by={"early_config_prune": _prune})(_act_fwd_kernel)
+_act_bwd_tuned = triton.autotune(_CONFIGS, key=_KEYS_BWD,
+                                 prune_configs_by={"early_config_prune": _prune})(_act_bwd_kernel)
+
+
+def heuristic_blocks(width: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_C, num_warps)`` without autotuning (interpreter / MOE_FN_AUTOTUNE=0)."""
+    if interpreting():
+        # The interpreter runs one Python step per program: few, wide programs; a narrow
+        # column block so small test widths still exercise the column loop and its masks.
+        return 16, 32, 4
+    block_c = min(max(triton.next_power_of_2(max(width, 1)), 128), 1024)
+    block_r = max(1, 4096 // block_c)
+    return block_r, block_c, 8
+
+
+def _launch(kernel, tuned, n_rows: int, width: int, *args, **meta):
+    if _autotune_enabled():
+        tuned[lambda m: (triton.cdiv(n_rows, m["BLOCK_R"]),)](*args, **meta)
+        return
+    block_r, block_c, nw = heuristic_blocks(width)
+    kernel[(triton.cdiv(n_rows, block_r),)](*args, **meta, BLOCK_R=block_r, BLOCK_C=block_c,
+                                           num_warps=nw)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _check_kernel_dtype(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name}: the Triton kernels take float16/bfloat16/float32, got {t.dtype}")
+
+
+def _w_args(weights, ref):
+    if weights is None:
+        return ref, 0  # never read (HAS_W=False)
+    return weights, weights.stride(0)
+
+
+def _fwd(g, u, weights, act_id, alpha, limit, *, paired_src=None):
+    n, i = g.shape
+    h = torch.empty((n, i), dtype=g.dtype, device=g.device)
+    if n == 0 or i == 0:
+        return h
+    w, s_w = _w_args(weights, g)
+    gp = g if paired_src is None else paired_src
+    up = u if paired_src is None else paired_src
+    s_gr, s_gc = (gp.stride(0), 1) if paired_src is not None else g.stride()
+    s_ur, s_uc = (gp.stride(0), 1) if paired_src is not None else u.stride()
+    _launch(_act_fwd_kernel, _act_fwd_tuned, n, i,
+            gp, up, w, h, n, i, s_gr, s_gc, s_ur, s_uc, s_w, h.stride(0),
+            float(alpha), float(limit),
+            ACT=int(act_id), HAS_W=weights is not None, PAIRED=paired_src is not None)
+    return h
+
+
+def _bwd(g, u, weights, dh, act_id, alpha, limit, *, dg, du, need_dw, paired_src=None,
+         paired_out=None):
+    """Writes ``dg``/``du`` (views or None) or ``paired_out``; returns ``d_weights`` or None."""
+    n, i = g.shape
+    has_w = weights is not None
+    need_dw = bool(need_dw and has_w)
+    dw = torch.empty((n,), dtype=weights.dtype, device=g.device) if need_dw else None
+    if i == 0 and need_dw:
+        dw.zero_()
+    if n == 0 or i == 0 or not (dg is not None or du is not None or paired_out is not None
+                                or need_dw):
+        return dw
+    w, s_w = _w_args(weights, g)
+    gp = g if paired_src is None else paired_src
+    up = u if paired_src is None else paired_src
+    s_gr, s_gc = (gp.stride(0), 1) if paired_src is not None else g.stride()
+    s_ur, s_uc = (gp.stride(0), 1) if paired_src is not None else u.stride()
+    out0 = paired_out if paired_out is not None else (dg if dg is not None else g)
+    out1 = du if du is not None else g
+    s_dgr = out0.stride(0)
+    s_dur = out1.stride(0)
+    if dg is not None or paired_out is not None:
+        assert out0.stride(-1) == 1
+    if du is not None:
+        assert du.stride(-1) == 1
+    _launch(_act_bwd_kernel, _act_bwd_tuned, n, i,
+            gp, up, w, dh, out0, out1, dw if dw is not None else g, n, i,
+            s_gr, s_gc, s_ur, s_uc, s_w, dh.stride(0), dh.stride(1), s_dgr, s_dur,
+            float(alpha), float(limit),
+            ACT=int(act_id), HAS_W=has_w, NEED_DG=dg is not None, NEED_DU=du is not None,
+            NEED_DW=need_dw, PAIRED=paired_src is not None, PAIRED_OUT=paired_out is not None)
+    return dw
+
+
+def launch_swiglu_fwd(gate, up, weights, act_id: int, alpha: float, limit: float):
+    """Triton ``act(gate, up) [* weights]`` on any device (CPU needs TRITON_INTERPRET=1)."""
+    _check_kernel_dtype(gate, "gate")
+    return _fwd(gate, up, weights, act_id, alpha, limit)
+
+
+def launch_swiglu_bwd(gate, up, weights, dh, act_id: int, alpha: float, limit: float,
+                      needs=(True, True, True)):
+    """Returns ``(d_gate | None, d_up | None, d_weights | None)``."""
+    _check_kernel_dtype(gate, "gate")
+    n, i = gate.shape
+    dg = torch.empty((n, i), dtype=gate.dtype, device=gate.device) if needs[0] else None
+    du = torch.empty((n, i), dtype=up.dtype, device=up.device) if needs[1] else None
+    dw = _bwd(gate, up, weights, dh, act_id, alpha, limit, dg=dg, du=du, need_dw=needs[2])
+    return dg, du, dw
+
+
+def _packed_views(gate_up, layout_id):
+    """``(g, u, paired_src)``: views of the halves and, for unit-stride interleaved input,
+    the packed tensor itself for the vectorised pair load."""
+    g, u = split_packed(gate_up, layout_id)
+    paired = layout_id == LAYOUT_ID["interleaved"] and gate_up.stride(-1) == 1
+    return g, u, (gate_up if paired else None)
+
+
+def launch_swiglu_packed_fwd(gate_up, weights, act_id: int, alpha: float, limit: float,
+                             layout_id: int):
+    _check_kernel_dtype(gate_up, "gate_up")
+    g, u, src = _packed_views(gate_up, layout_id)
+    return _fwd(g, u, weights, act_id, alpha, limit, paired_src=src)
+
+
+def launch_swiglu_packed_bwd(gate_up, weights, dh, act_id: int, alpha: float, limit: float,
+                             layout_id: int, needs=(True, True)):
+    """Returns ``(d_gate_up | None, d_weights | None)``; ``d_gate_up`` contiguous, same layout."""
+    _check_kernel_dtype(gate_up, "gate_up")
+    g, u, src = _packed_views(gate_up, layout_id)
+    n, two_i = gate_up.shape
+    dgu = torch.empty((n, two_i), dtype=gate_up.dtype, device=gate_up.device) if needs[0] \
+        else None
+    dg = du = paired_out = None
+    if dgu is not None:
+        if layout_id == LAYOUT_ID["interleaved"]:
+            paired_out = dgu
+        else:
+            dg, du = split_packed(dgu, layout_id)
+    dw = _bwd(g, u, weights, dh, act_id, alpha, limit, dg=dg, du=du, need_dw=needs[1],
+              paired_src=src, paired_out=paired_out)
+    return dgu, dw

@@ -1,0 +1,162 @@
+"""The ``moe_fn::*`` custom ops: schemas and fakes (opcheck), torch.compile, and the
+wrappers' pure-compatible signatures, including the Triton branch run under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.library import opcheck  # noqa: E402
+
+import moe_fn.kernels as ops  # noqa: E402
+from moe_fn.kernels import _registry  # noqa: E402
+from moe_fn.pure import activations as pa  # noqa: E402
+from moe_fn.pure import row_weight as pr  # noqa: E402
+
+OPS = torch.ops.moe_fn
+OAI = pa.resolve_activation("swiglu_oai")
+
+
+def _t(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed + sum(shape))
+    return (torch.randn(*shape, generator=gen) * 2).to(dtype)
+
+
+def _samples():
+    n, i = 6, 5
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        g, u, dh = _t(n, i, dtype=dtype), _t(n, i, dtype=dtype, seed=1), _t(n, i, dtype=dtype)
+        gu = _t(n, 2 * i, dtype=dtype, seed=2)
+        w = _t(n, dtype=dtype, seed=3).abs()
+        for act in pa.ACTIVATIONS:
+            act_id, alpha, limit = pa.resolve_activation(act)
+            yield OPS.swiglu_fwd.default, (g, u, w, act_id, alpha, limit)
+            yield OPS.swiglu_bwd.default, (g, u, w, dh, act_id, alpha, limit, True, True, True)
+            for layout_id in (0, 1):
+                yield OPS.swiglu_packed_fwd.default, (gu, None, act_id, alpha, limit, layout_id)
+                yield OPS.swiglu_packed_bwd.default, (gu, w, dh, act_id, alpha, limit, layout_id,
+                                                      True, True)
+        yield OPS.swiglu_fwd.default, (g, u, None, *OAI)
+        yield OPS.swiglu_bwd.default, (g, u, None, dh, *OAI, True, False, True)
+        yield OPS.swiglu_packed_bwd.default, (gu, None, dh, *OAI, 1, False, True)
+        yield OPS.row_weight_fwd.default, (g, w)
+        yield OPS.row_weight_bwd.default, (g, w, dh, True, True)
+        yield OPS.row_weight_bwd.default, (g, w, dh, False, True)
+        yield OPS.row_weight_bwd.default, (g, w, dh, True, False)
+
+
+@pytest.mark.parametrize("op,args", list(_samples()),
+                         ids=lambda x: getattr(x, "__name__", None) if callable(x) else "")
+def test_opcheck(op, args):
+    opcheck(op, args)
+
+
+def test_opcheck_empty():
+    g = torch.empty(0, 4)
+    w = torch.empty(0)
+    opcheck(OPS.swiglu_packed_bwd.default, (torch.empty(0, 8), w, g, *OAI, 0, True, True))
+    opcheck(OPS.row_weight_bwd.default, (g, w, g, True, True))
+
+
+def test_compile_fullgraph():
+    gu, w, dh = _t(7, 10), _t(7).abs(), _t(7, 5)
+    x = _t(7, 3)
+
+    def step(gu, w, dh, x):
+        h, res = ops.swiglu_packed_fwd(gu, w, act_id=OAI[0], alpha=OAI[1], limit=OAI[2],
+                                       layout_id=1)
+        dgu, dw = ops.swiglu_packed_bwd(res, dh)
+        h2, res2 = ops.swiglu_fwd(gu[:, :5], gu[:, 5:], None, act_id=0, alpha=0.0, limit=0.0)
+        dg, du, dw2 = ops.swiglu_bwd(res2, dh, needs=(True, False, True))
+        y, rres = ops.row_weight_fwd(x, w)
+        dx, dww = ops.row_weight_bwd(rres, y)
+        return h, dgu, dw, h2, dg, du, dw2, y, dx, dww
+
+    eager = step(gu, w, dh, x)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(gu, w, dh, x)
+    assert compiled[5] is None and compiled[6] is None
+    for a, b in zip(eager, compiled):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _compare_wrappers():
+    """The kernels wrappers against the pure pairs: same structure, same values (tolerance
+    only for the float32 kernels)."""
+    n, i = 9, 7
+    g, u, dh = _t(n, i), _t(n, i, seed=1), torch.ones(1, 1).expand(n, i)
+    gu, w, x = _t(n, 2 * i, seed=2), _t(n, seed=3).abs(), _t(n, 4, seed=4)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+
+    def same(a, b):
+        assert type(a) is type(b)
+        if isinstance(a, tuple):
+            assert len(a) == len(b)
+            for p, q in zip(a, b):
+                same(p, q)
+        elif isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, **tol)
+        else:
+            assert a == b
+
+    for weights in (None, w):
+        for needs in ((True, True, True), (False, True, False), (True, False, True)):
+            kw = dict(act_id=OAI[0], alpha=OAI[1], limit=OAI[2])
+            hk, rk = ops.swiglu_fwd(g, u, weights, **kw)
+            hp, rp = pa.swiglu_fwd(g, u, weights, **kw)
+            same((hk, rk), (hp, rp))
+            same(ops.swiglu_bwd(rk, dh, needs=needs), pa.swiglu_bwd(rp, dh, needs=needs))
+            for layout_id in (0, 1):
+                hk, rk = ops.swiglu_packed_fwd(gu, weights, **kw, layout_id=layout_id)
+                hp, rp = pa.swiglu_packed_fwd(gu, weights, **kw, layout_id=layout_id)
+                same((hk, rk), (hp, rp))
+                same(ops.swiglu_packed_bwd(rk, dh, needs=needs[1:]),
+                     pa.swiglu_packed_bwd(rp, dh, needs=needs[1:]))
+    for needs in ((True, True), (False, True), (True, False)):
+        ok, rk = ops.row_weight_fwd(x, w)
+        op_, rp = pr.row_weight_fwd(x, w)
+        same((ok, rk), (op_, rp))
+        same(ops.row_weight_bwd(rk, x, needs=needs), pr.row_weight_bwd(rp, x, needs=needs))
+
+
+def test_wrappers_pure_path():
+    _compare_wrappers()
+
+
+def test_wrappers_triton_path(monkeypatch):
+    """The ops' Triton branch (normally CUDA only), forced on CPU under the interpreter."""
+    from moe_fn.kernels.activation import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    calls = []
+
+    def force(t):
+        calls.append(t.dtype)
+        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+    monkeypatch.setattr(_registry, "use_triton", force)
+    _compare_wrappers()
+    assert calls
+
+
+def test_wrapper_signatures_match_pure():
+    import inspect
+
+    for name in ("swiglu_fwd", "swiglu_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd",
+                 "row_weight_fwd", "row_weight_bwd"):
+        mod = pr if name.startswith("row") else pa
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(mod, name)), name
+
+
+def test_ops_reject_bad_shapes():
+    g = _t(4, 3)
+    with pytest.raises(ValueError, match="incoming gradient"):
+        OPS.swiglu_bwd(g, g, None, _t(4, 2), 0, 0.0, 0.0, True, True, True)
+    with pytest.raises(ValueError, match="even"):
+        OPS.swiglu_packed_fwd(g, None, 0, 0.0, 0.0, 0)

@@ -1,0 +1,128 @@
+"""The public functional API of the expert computation.
+
+Every argument is validated before any kernel runs; errors name the argument and what
+was expected. Rows are grouped by expert: ``offs (E,)`` int32 holds cumulative row ends
+(``torch._grouped_mm``'s convention) and must end at the row count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_offs, check_same, check_tensor
+from .autograd.experts import Experts, GroupedLinear, RowWeight, Swiglu, SwigluPacked
+from .pure.activations import (
+    _check_weights,
+    check_swiglu_args,
+    check_swiglu_packed_args,
+    resolve_activation,
+    resolve_layout,
+)
+from .pure.row_weight import check_row_weight_args
+
+__all__ = ["experts", "grouped_linear", "row_weight", "swiglu", "swiglu_packed"]
+
+GATE_UP_IMPLS = ("fused", "separate")
+
+
+def _check_offs(offs, num_rows: int, num_groups: int, device) -> None:
+    """``check_offs``; while torch.compile traces, only the metadata checks (dtype, length,
+    device): the value checks read ``offs`` on the host, which a full graph cannot do."""
+    if not torch.compiler.is_compiling():
+        check_offs(offs, num_rows, num_groups, device)
+        return
+    check_tensor("offs", offs, ndim=1)
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be int32 (torch._grouped_mm's convention), got {offs.dtype}")
+    if offs.numel() != num_groups:
+        raise ValueError(f"offs must have one entry per expert ({num_groups}), got {offs.numel()}")
+    if offs.device != device:
+        raise ValueError(f"offs must be on {device}, got {offs.device}")
+
+
+def grouped_linear(x, weight, offs):
+    """Per-expert linear: ``y[rows of e] = x[rows of e] @ weight[e]^T``.
+
+    x ``(N, in)``, weight ``(E, out, in)``, offs ``(E,)`` int32 ending at N -> y ``(N, out)``.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=3, dtypes=FLOAT_DTYPES)
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"weight must be (E, out, in) with in == x.shape[1] ({x.shape[1]}), "
+            f"got shape {tuple(weight.shape)}"
+        )
+    check_same("x and weight", x, weight)
+    _check_offs(offs, x.shape[0], weight.shape[0], x.device)
+    return GroupedLinear.apply(x, weight, offs)
+
+
+def swiglu(gate, up, *, activation="swiglu", alpha=None, limit=None, weights=None):
+    """``h = act(gate, up) [* weights[:, None]]``; gate, up ``(N, I)``, weights ``(N,)``.
+
+    activation: "swiglu", "swiglu_clamped", "swiglu_oai" or "geglu_tanh".
+    """
+    act_id, alpha, limit = resolve_activation(activation, alpha, limit)
+    check_swiglu_args(gate, up, weights)
+    return Swiglu.apply(gate, up, weights, act_id, alpha, limit)
+
+
+def swiglu_packed(gate_up, *, activation="swiglu", layout="halves", alpha=None, limit=None,
+                  weights=None):
+    """``h (N, I) = act(gate, up) [* weights]`` read in place from ``gate_up (N, 2I)``.
+
+    layout: "halves" (gate = columns [:I], HF) or "interleaved" (gate = even columns).
+    """
+    act_id, alpha, limit = resolve_activation(activation, alpha, limit)
+    layout_id = resolve_layout(layout)
+    check_swiglu_packed_args(gate_up, weights)
+    return SwigluPacked.apply(gate_up, weights, act_id, alpha, limit, layout_id)
+
+
+def row_weight(rows, weights):
+    """``rows (N, D) * weights (N,)[:, None]``."""
+    check_row_weight_args(rows, weights)
+    return RowWeight.apply(rows, weights)
+
+
+def _check_experts_args(x, gate_up_proj, down_proj, weights):
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("down_proj", down_proj, ndim=3, dtypes=FLOAT_DTYPES)
+    n, h = x.shape
+    e, two_i, h_w = gate_up_proj.shape
+    if h_w != h:
+        raise ValueError(
+            f"gate_up_proj must be (E, 2I, H) with H == x.shape[1] ({h}), "
+            f"got shape {tuple(gate_up_proj.shape)}"
+        )
+    if two_i % 2:
+        raise ValueError(
+            f"gate_up_proj must have an even packed width 2I (gate and up), got {two_i}"
+        )
+    if tuple(down_proj.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"down_proj must be (E, H, I) = {(e, h, two_i // 2)} to match x and gate_up_proj, "
+            f"got {tuple(down_proj.shape)}"
+        )
+    check_same("x, gate_up_proj and down_proj", x, gate_up_proj, down_proj)
+    _check_weights(weights, n, x)
+
+
+def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_impl="fused",
+            layout="halves", alpha=None, limit=None, weights=None):
+    """The expert MLP ``y = down(act(gate_up(x)) [* weights])``, rows grouped by expert.
+
+    x ``(N, H)``, gate_up_proj ``(E, 2I, H)`` packed per ``layout``, down_proj
+    ``(E, H, I)``, offs ``(E,)`` int32 ending at N, weights ``(N,)`` or None -> ``(N, H)``.
+    gate_up_impl: "fused" (one GEMM over the packed weight, packed activation) or
+    "separate" (two GEMMs over its halves).
+    """
+    if gate_up_impl not in GATE_UP_IMPLS:
+        raise ValueError(f"gate_up_impl must be one of {GATE_UP_IMPLS}, got {gate_up_impl!r}")
+    act_id, alpha, limit = resolve_activation(activation, alpha, limit)
+    layout_id = resolve_layout(layout)
+    _check_experts_args(x, gate_up_proj, down_proj, weights)
+    _check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
+    return Experts.apply(x, gate_up_proj, down_proj, offs, weights, act_id, alpha, limit,
+                         layout_id, gate_up_impl == "fused")

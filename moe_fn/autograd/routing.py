@@ -1,0 +1,114 @@
+"""Router and exchange shells: route, dispatch rows to experts, combine them back."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..pure.router import RouterRes, router_bwd, router_fwd
+from ..pure.row_weight import RowWeightRes, row_weight_bwd
+from ._common import contiguous_grad, refuse_double_backward
+
+
+class Router(torch.autograd.Function):
+    """``logits (T, E) -> (topk_idx (T, k), topk_weight (T, k))``; gradients via the weights."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, score_func, norm_topk_prob, n_group, topk_group,
+                group_score, routed_scaling_factor, replay_idx):
+        (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
+                                   norm_topk_prob=norm_topk_prob, n_group=n_group,
+                                   topk_group=topk_group, group_score=group_score,
+                                   routed_scaling_factor=routed_scaling_factor,
+                                   topk_idx=replay_idx)
+        ctx.has_scores = res.scores is not None
+        saved = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
+        ctx.save_for_backward(*saved)
+        ctx.static = res[3:]
+        ctx.mark_non_differentiable(idx)
+        return idx, w
+
+    @staticmethod
+    def backward(ctx, d_idx, d_w):
+        refuse_double_backward("Router")
+        saved = list(ctx.saved_tensors)
+        scores = saved.pop(0) if ctx.has_scores else None
+        res = RouterRes(scores, saved[0], saved[1], *ctx.static)
+        d_logits = router_bwd(res, contiguous_grad(d_w)) if d_w is not None else None
+        return (d_logits,) + (None,) * 9
+
+
+class Dispatch(torch.autograd.Function):
+    """Token rows and routing weights to expert rows on the ranks that own the experts.
+
+    Returns ``(rows, row_weights, handle)``; the handle (not a tensor) is what the combine
+    and a replayed dispatch reuse. Backward sends the row gradients (and routing-weight
+    gradients) back to the tokens' home ranks and sums each token's k rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, exchange, layout, cached):
+        rows, row_w, handle = exchange.dispatch_fwd(x, weights, layout, cached=cached)
+        ctx.exchange, ctx.handle = exchange, handle
+        ctx.has_weights = weights is not None
+        ctx.row_meta = (rows.shape, rows.dtype, rows.device)
+        return rows, (row_w if row_w is not None else rows.new_empty(0)), handle
+
+    @staticmethod
+    def backward(ctx, d_rows, d_row_w, _d_handle):
+        refuse_double_backward("Dispatch")
+        d_rows = contiguous_grad(d_rows)
+        if d_rows is None:
+            shape, dtype, device = ctx.row_meta
+            d_rows = torch.zeros(shape, dtype=dtype, device=device)
+        d_row_w = contiguous_grad(d_row_w) if ctx.has_weights else None
+        dx, d_w = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w)
+        return dx, d_w, None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """Expert rows back to their tokens, summed over k; backward is a cached dispatch."""
+
+    @staticmethod
+    def forward(ctx, rows, exchange, handle):
+        out, _ = exchange.combine_fwd(rows, handle)
+        ctx.exchange, ctx.handle = exchange, handle
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        refuse_double_backward("Combine")
+        return ctx.exchange.combine_bwd(ctx.handle, contiguous_grad(d_out)), None, None
+
+
+class SkippedCombine(torch.autograd.Function):
+    """A combine (and post-expert row weighting) recorded, not executed.
+
+    Used only in a supported reentrant recompute, whose output feeds nothing but the
+    residual add the checkpoint discards: the forward returns a NaN sentinel of the
+    output's shape without communicating; the backward is the real one — a cached dispatch
+    of the output gradient, then the row weighting's backward when ``row_weights`` is given
+    (``rows`` are then the unweighted expert outputs).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, row_weights, exchange, handle, fused_weighting):
+        ctx.exchange, ctx.handle, ctx.fused = exchange, handle, fused_weighting
+        ctx.weighted = row_weights is not None
+        if ctx.weighted:
+            ctx.save_for_backward(rows, row_weights)
+        exchange.counters["combine_skipped"] += 1
+        t = handle.plan.num_tokens
+        return torch.full((t, rows.shape[-1]), float("nan"), dtype=rows.dtype,
+                          device=rows.device)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        refuse_double_backward("SkippedCombine")
+        d_rows = ctx.exchange.combine_bwd(ctx.handle, contiguous_grad(d_out))
+        if not ctx.weighted:
+            return d_rows, None, None, None, None
+        rows, row_w = ctx.saved_tensors
+        bwd = kernels.row_weight_bwd if ctx.fused else row_weight_bwd
+        d_rows, d_w = bwd(RowWeightRes(rows, row_w), d_rows)
+        return d_rows, d_w, None, None, None

@@ -1,0 +1,95 @@
+"""The Exchange protocol, its counters, pending results and the SM carveout."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
+                "dispatch_backward", "combine_backward")
+
+
+class Pending:
+    """A result whose communication may still be in flight: ``wait()`` finishes it once."""
+
+    def __init__(self, finish: Callable[[], Any], on_wait: Callable[[], None] | None = None):
+        self._finish = finish
+        self._on_wait = on_wait
+        self._done = False
+        self._value = None
+
+    def wait(self):
+        if not self._done:
+            if self._on_wait is not None:
+                self._on_wait()
+            self._value = self._finish()
+            self._done = True
+            self._finish = None
+        return self._value
+
+
+class Exchange:
+    """Moves expert rows between the ranks of an expert-parallel group.
+
+    Rank r owns the contiguous global experts ``[r*E_local, (r+1)*E_local)``. Methods:
+
+    - ``layout(plan) -> layout``: what the dispatch needs to know before it runs.
+    - ``dispatch_fwd(x, weights, layout, *, cached) -> (rows, row_weights, handle)``: token
+      rows ``x (T, H)`` and routing weights ``(T, k)`` to expert rows ``(N, H)`` grouped by
+      local expert (``handle.local_offs``), each with its routing weight. The handle is
+      what later moves of the same route reuse. ``cached=True`` replays a dispatch with the
+      handle it returned (no layout exchange, no host sync).
+    - ``dispatch_bwd(res, d_rows, d_row_weights, *, async_op) -> (dx, d_weights)`` (or a
+      ``Pending`` when ``async_op``): row gradients back to their tokens, summed over k.
+    - ``combine_fwd(rows, handle) -> (out, res)``: expert rows back to their tokens, summed
+      over k (weights are applied on the expert side, so the sum is unweighted).
+    - ``combine_bwd(res, d_out) -> d_rows``: a cached dispatch of the output gradient.
+
+    ``counters`` counts each of these so tests and users can see what ran.
+    """
+
+    backend: str = "?"
+
+    def __init__(self, *, num_experts: int, ep_size: int = 1, rank: int = 0, group=None):
+        if num_experts % ep_size:
+            raise ValueError(f"ep_size ({ep_size}) must divide num_experts ({num_experts})")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.rank = rank
+        self.group = group
+        self.num_local_experts = num_experts // ep_size
+        self.counters: Counter = Counter({k: 0 for k in COUNTER_KEYS})
+
+    def reset_counters(self) -> None:
+        for k in COUNTER_KEYS:
+            self.counters[k] = 0
+
+    @property
+    def first_local_expert(self) -> int:
+        return self.rank * self.num_local_experts
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int | None):
+    """Withhold ``num_sms`` SMs from cuBLAS GEMMs inside the block (for overlapped comms).
+
+    Always restores the previous value, exceptions included. ``None`` or 0 does nothing.
+    """
+    if not num_sms:
+        yield
+        return
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if setter is None or getter is None:
+        raise RuntimeError("this torch build has no SM carveout API "
+                           "(torch._C._set_sm_carveout_experimental); upgrade torch")
+    previous = getter()
+    setter(int(num_sms))
+    try:
+        yield
+    finally:
+        setter(previous)

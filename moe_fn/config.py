@@ -1,0 +1,158 @@
+"""MoEConfig: every option of an MoE layer, validated once when built (fail closed)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from .pure.activations import ACTIVATIONS, LAYOUTS, resolve_activation
+from .pure.router import GROUP_SCORES, SCORE_FUNCS
+
+SCORE_APPLY = ("post", "pre", "activation")
+IMPLS = ("eager", "fused")
+GATE_UP_IMPLS = ("fused", "separate")
+COMM_BACKENDS = ("local", "all_to_all", "deepep")
+DEEPEP_INTRANODE_SIZES = (2, 4, 8)
+# DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
+DEEPEP_MAX_HIDDEN = 8184
+
+
+def _one_of(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class MoEConfig:
+    """Options of one MoE layer. Built once; invalid combinations raise ``ValueError``.
+
+    Sizes: ``hidden_size`` H, ``intermediate_size`` I (per expert), ``num_experts`` E,
+    ``top_k`` experts per token. Routing: ``score_func``, ``norm_topk_prob``, expert groups
+    (``n_group``, ``topk_group``, ``group_score``), ``score_correction_bias`` (a buffer that
+    biases the choice only), ``routed_scaling_factor``. Experts: ``activation`` (with
+    ``activation_alpha``/``activation_limit``; None = the activation's default),
+    ``gate_up_layout`` and ``gate_up_impl``. Where routing weights apply: ``score_apply``
+    ("post" after the experts, "pre" on their input rows, "activation" folded into the
+    activation). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
+    communication kernels use and that overlapped GEMMs leave free).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    activation: str = "swiglu"
+    activation_alpha: float | None = None
+    activation_limit: float | None = None
+    gate_up_layout: str = "halves"
+    gate_up_impl: str = "fused"
+    score_func: str = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    score_apply: str = "post"
+    row_weighting_impl: str = "eager"
+    combine_impl: str = "eager"
+    comm_backend: str = "local"
+    ep_size: int = 1
+    comm_num_sm: int = 20
+    overlap_weight_grad: bool = False
+    skip_recompute_combine: bool = False
+
+    def __attrs_post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
+                     "topk_group", "ep_size", "comm_num_sm"):
+            _positive_int(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts "
+                             f"({self.num_experts})")
+        _one_of("activation", self.activation, ACTIVATIONS)
+        resolve_activation(self.activation, self.activation_alpha, self.activation_limit)
+        _one_of("gate_up_layout", self.gate_up_layout, LAYOUTS)
+        _one_of("gate_up_impl", self.gate_up_impl, GATE_UP_IMPLS)
+        _one_of("score_func", self.score_func, SCORE_FUNCS)
+        _one_of("group_score", self.group_score, GROUP_SCORES)
+        _one_of("score_apply", self.score_apply, SCORE_APPLY)
+        _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
+        _one_of("combine_impl", self.combine_impl, IMPLS)
+        _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
+        for name in ("norm_topk_prob", "score_correction_bias", "overlap_weight_grad",
+                     "skip_recompute_combine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_groups()
+        r = self.routed_scaling_factor
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"routed_scaling_factor must be a positive finite number, got {r!r}")
+        self._check_exchange()
+        self._check_weighting()
+
+    def _check_groups(self):
+        e, g = self.num_experts, self.n_group
+        if e % g:
+            raise ValueError(f"n_group ({g}) must divide num_experts ({e})")
+        if self.topk_group > g:
+            raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({g})")
+        if g > 1 and self.top_k > self.topk_group * (e // g):
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the experts of the {self.topk_group} chosen "
+                f"groups ({self.topk_group * (e // g)}): raise topk_group or lower top_k"
+            )
+        if g > 1 and self.group_score == "top2_sum" and e // g < 2:
+            raise ValueError("group_score='top2_sum' needs at least 2 experts per group; "
+                             "use group_score='max'")
+
+    def _check_exchange(self):
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
+                             f"({self.num_experts})")
+        if self.comm_backend == "local" and self.ep_size != 1:
+            raise ValueError(f"comm_backend='local' moves no rows between ranks, so ep_size must "
+                             f"be 1 (got {self.ep_size}); use 'all_to_all' or 'deepep'")
+        if self.comm_backend == "deepep":
+            if self.ep_size not in DEEPEP_INTRANODE_SIZES:
+                raise ValueError(f"comm_backend='deepep' supports ep_size in "
+                                 f"{DEEPEP_INTRANODE_SIZES} (intranode), got {self.ep_size}")
+            if self.comm_num_sm % 2:
+                raise ValueError(f"comm_num_sm must be even for DeepEP (it runs comm_num_sm/2 "
+                                 f"channels), got {self.comm_num_sm}")
+            if (self.hidden_size * 2) % 16 or self.hidden_size > DEEPEP_MAX_HIDDEN:
+                raise ValueError(
+                    f"DeepEP cannot carry hidden_size={self.hidden_size}: bf16 rows must be a "
+                    f"multiple of 16 bytes and hidden_size <= {DEEPEP_MAX_HIDDEN}; use "
+                    "comm_backend='all_to_all'"
+                )
+            if self.num_experts // self.ep_size > 128:
+                raise ValueError("DeepEP supports at most 128 experts per rank; raise ep_size")
+
+    def _check_weighting(self):
+        # Routing weights are applied on the expert side (before a plain-sum combine), so
+        # the combine's backward never needs the combine's forward output.
+        if self.combine_impl == "fused" and self.comm_backend == "deepep":
+            raise ValueError(
+                "combine_impl='fused' fuses the home-side gather and sum of the local and "
+                "all_to_all exchanges; DeepEP combines inside its own kernels: use "
+                "combine_impl='eager' with comm_backend='deepep'")
+        if self.row_weighting_impl == "fused" and self.score_apply == "activation":
+            raise ValueError(
+                "row_weighting_impl='fused' weights expert rows before or after the experts, "
+                "but score_apply='activation' folds the weights into the activation kernel: "
+                "use row_weighting_impl='eager' (or score_apply 'pre'/'post')")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def act_static(self) -> tuple[int, float, float]:
+        """(act_id, alpha, limit) as the pure pairs and kernels take them."""
+        return resolve_activation(self.activation, self.activation_alpha, self.activation_limit)

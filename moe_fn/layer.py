@@ -1,0 +1,164 @@
+"""MoELayer: route, dispatch, experts, combine — with expert parallelism over an Exchange."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import functional
+from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
+from .comm.base import Exchange
+from .comm.sorted_rows import AllToAllExchange, LocalExchange
+from .config import MoEConfig
+from .pure.activations import compute_dtype
+from .pure.dispatch import layout
+from .records import RoutePlan
+from .replay import current_region
+
+
+def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
+    """The exchange a config asks for; group size is checked before any collective runs."""
+    if config.comm_backend == "local":
+        if process_group is not None and dist.get_world_size(process_group) != 1:
+            raise ValueError("comm_backend='local' with a process group of size "
+                             f"{dist.get_world_size(process_group)}: use 'all_to_all' or 'deepep'")
+        return LocalExchange(num_experts=config.num_experts)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"comm_backend={config.comm_backend!r} needs torch.distributed "
+                           "initialised (dist.init_process_group) before the layer is built")
+    size = dist.get_world_size(process_group)
+    if size != config.ep_size:
+        raise ValueError(f"the process group has {size} ranks but ep_size is "
+                         f"{config.ep_size}: pass a group of ep_size ranks")
+    if config.comm_backend == "all_to_all":
+        return AllToAllExchange(num_experts=config.num_experts, group=process_group)
+    from .comm.deepep import DeepEPExchange
+    return DeepEPExchange(num_experts=config.num_experts, group=process_group,
+                          hidden_size=config.hidden_size, num_sms=config.comm_num_sm)
+
+
+def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
+    with torch.no_grad():
+        counts, _offs, perm, inv_perm = layout(topk_idx, num_experts)
+    return RoutePlan(topk_idx=topk_idx, counts=counts, perm=perm, inv_perm=inv_perm,
+                     num_experts=num_experts, top_k=topk_idx.shape[1])
+
+
+class MoERouter(nn.Module):
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
+                                               device=device, dtype=dtype))
+        if config.score_correction_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(config.num_experts, device=device,
+                                             dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+
+class MoEExperts(nn.Module):
+    """This rank's experts in Hugging Face's layout: ``gate_up_proj (E_local, 2I, H)``,
+    ``down_proj (E_local, H, I)``."""
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype))
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts layer mapping ``(..., H)`` to ``(..., H)``.
+
+    Rank r of the expert-parallel group (``process_group``, default the world group when
+    ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
+    Routing weights are applied on the expert side (``config.score_apply``), so the
+    combine is a plain sum and its backward needs nothing from its forward.
+    """
+
+    def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        self.process_group = process_group
+        self.exchange = make_exchange(config, process_group)
+        self.router = MoERouter(config, device=device, dtype=dtype)
+        self.experts = MoEExperts(config, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.exchange.rank
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for p in (self.router.weight, self.experts.gate_up_proj, self.experts.down_proj):
+                p.normal_(0.0, std)
+
+    def route(self, x2: torch.Tensor, replay_idx=None):
+        """Router logits (T, E) and the differentiable top-k weights with their indices.
+
+        ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
+        c = self.config
+        logits = F.linear(x2, self.router.weight)
+        idx, w = Router.apply(logits, self.router.e_score_correction_bias, c.top_k,
+                              c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
+                              c.group_score, float(c.routed_scaling_factor), replay_idx)
+        return logits, idx, w
+
+    def _weight_rows(self, rows, row_w):
+        if self.config.row_weighting_impl == "fused":
+            return functional.row_weight(rows, row_w)
+        cd = compute_dtype(rows.dtype)
+        return (rows.to(cd) * row_w.to(cd)[:, None]).to(rows.dtype)
+
+    def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True):
+        c = self.config
+        if c.score_apply == "pre":
+            rows = self._weight_rows(rows, row_w)
+        act_id, alpha, limit = c.act_static
+        y = functional.experts(
+            rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
+            activation=c.activation, gate_up_impl=c.gate_up_impl, layout=c.gate_up_layout,
+            alpha=c.activation_alpha, limit=c.activation_limit,
+            weights=row_w if c.score_apply == "activation" else None)
+        if c.score_apply == "post" and post_weighting:
+            y = self._weight_rows(y, row_w)
+        return y
+
+    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+        c = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must end in hidden_size={c.hidden_size}, got shape "
+                             f"{tuple(x.shape)}")
+        if x.dtype != self.experts.gate_up_proj.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are "
+                            f"{self.experts.gate_up_proj.dtype}: cast one to the other")
+        shape = x.shape
+        x2 = x.reshape(-1, c.hidden_size)
+        region = current_region()
+        entry = region.consume(self) if region is not None and region.replaying else None
+        logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
+        if entry is None:
+            plan = make_route_plan(idx, c.num_experts)
+            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange,
+                                                 self.exchange.layout(plan), False)
+            if region is not None:
+                region.record(self, plan, handle)
+        else:
+            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange, entry.handle, True)
+        skip = entry is not None and region.reentrant and c.skip_recompute_combine
+        y = self.expert_compute(rows, row_w, handle.local_offs, post_weighting=not skip)
+        if skip:
+            out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
+                                       self.exchange, handle, c.row_weighting_impl == "fused")
+        else:
+            out = Combine.apply(y, self.exchange, handle)
+        out = out.reshape(shape)
+        return (out, logits) if return_router_logits else out

@@ -1,0 +1,28 @@
+"""Run a test body on several gloo processes on this CPU machine."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, init_file, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args) -> None:
+    """Spawn ``world`` processes running ``fn(rank, world, *args)``; a failure in any raises."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world,
+                 join=True)

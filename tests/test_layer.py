@@ -1,0 +1,185 @@
+"""MoELayer: single process against a naive oracle; expert parallelism over gloo against a
+single-process layer holding every expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_fn import MoEConfig, MoELayer
+from tests.dist_utils import run_distributed
+
+
+def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None):
+    """Per-token loops over the chosen experts, written from the formulas (float64)."""
+    logits = x @ router_w.t()
+    scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias
+    idx = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, : cfg.top_k]
+    w = scores.gather(1, idx)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * cfg.routed_scaling_factor
+    i = cfg.intermediate_size
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(cfg.top_k):
+            e = int(idx[t, j])
+            pre = cfg.score_apply == "pre"
+            gu = gate_up[e] @ (x[t] * w[t, j] if pre else x[t])
+            g, u = (gu[:i], gu[i:]) if cfg.gate_up_layout == "halves" else (gu[0::2], gu[1::2])
+            if cfg.activation == "swiglu":
+                a = F.silu(g) * u
+            elif cfg.activation == "geglu_tanh":
+                a = F.gelu(g, approximate="tanh") * u
+            else:
+                lim = cfg.activation_limit or 7.0
+                gc, uc = g.clamp(max=lim), u.clamp(-lim, lim)
+                if cfg.activation == "swiglu_clamped":
+                    a = F.silu(gc) * uc
+                else:
+                    al = cfg.activation_alpha or 1.702
+                    a = (uc + 1) * gc * torch.sigmoid(al * gc)
+            out[t] += (1.0 if pre else w[t, j]) * (down[e] @ a)
+    return out, logits
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=8, intermediate_size=6, num_experts=4, top_k=2)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(score_apply="pre"),
+    dict(score_apply="activation", activation="swiglu_oai", gate_up_layout="interleaved"),
+    dict(gate_up_impl="separate", activation="geglu_tanh", score_func="sigmoid"),
+    dict(activation="swiglu_clamped", activation_limit=0.05, norm_topk_prob=False,
+         routed_scaling_factor=2.5),
+])
+def test_layer_matches_naive_oracle(kw):
+    torch.manual_seed(0)
+    cfg = _cfg(**kw)
+    layer = MoELayer(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+        layer.experts.gate_up_proj.normal_(0, 0.5)
+        layer.experts.down_proj.normal_(0, 0.5)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out, logits = layer(x, return_router_logits=True)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+
+    params = [p.detach().clone().requires_grad_() for p in
+              (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj)]
+    x2 = x.detach().clone().requires_grad_()
+    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params, cfg)
+    (ref.reshape(out.shape) * g).sum().backward()
+    torch.testing.assert_close(out, ref.reshape(out.shape))
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(x.grad, x2.grad)
+    for p, r in zip((layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj),
+                    params):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_counters_one_of_each_per_forward():
+    cfg = _cfg()
+    layer = MoELayer(cfg)
+    layer(torch.randn(7, 8)).sum().backward()
+    c = layer.exchange.counters
+    assert (c["layout"], c["dispatch"], c["cached_dispatch"], c["combine"]) == (1, 1, 0, 1)
+    assert (c["dispatch_backward"], c["combine_backward"]) == (1, 1)
+
+
+def test_bad_input_errors():
+    layer = MoELayer(_cfg())
+    with pytest.raises(ValueError, match="hidden_size=8"):
+        layer(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="dtype"):
+        layer(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        MoELayer(_cfg(comm_backend="all_to_all", ep_size=2))
+
+
+# ---- expert parallelism over gloo ---------------------------------------------------------
+
+def _ep_case(rank, world, kw, tokens_per_rank, seed):
+    torch.manual_seed(seed)
+    cfg_full = _cfg(**kw)
+    ref = MoELayer(cfg_full, dtype=torch.float64)
+    with torch.no_grad():
+        ref.router.weight.normal_(0, 1.0)
+        ref.experts.gate_up_proj.normal_(0, 0.5)
+        ref.experts.down_proj.normal_(0, 0.5)
+        if cfg_full.score_correction_bias:
+            # Steer every token away from the last rank's experts and from expert 0.
+            bias = torch.zeros(cfg_full.num_experts, dtype=torch.float32)
+            e_local = cfg_full.num_experts // world
+            bias[-e_local:] = -100.0
+            bias[0] = -100.0
+            ref.router.e_score_correction_bias.copy_(bias)
+    xs = [torch.randn(n, cfg_full.hidden_size, dtype=torch.float64) for n in tokens_per_rank]
+    gs = [torch.randn_like(x) for x in xs]
+    x_all = torch.cat(xs).requires_grad_()
+    out_all = ref(x_all)
+    (out_all * torch.cat(gs)).sum().backward()
+
+    cfg = _cfg(**kw, comm_backend="all_to_all", ep_size=world)
+    layer = MoELayer(cfg, dtype=torch.float64)
+    e_local = cfg.num_local_experts
+    sl = slice(rank * e_local, (rank + 1) * e_local)
+    with torch.no_grad():
+        layer.router.weight.copy_(ref.router.weight)
+        layer.experts.gate_up_proj.copy_(ref.experts.gate_up_proj[sl])
+        layer.experts.down_proj.copy_(ref.experts.down_proj[sl])
+        if cfg.score_correction_bias:
+            layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
+    x = xs[rank].clone().requires_grad_()
+    out = layer(x)
+    (out * gs[rank]).sum().backward()
+    start = sum(tokens_per_rank[:rank])
+    rows = slice(start, start + tokens_per_rank[rank])
+    torch.testing.assert_close(out, out_all[rows].detach())
+    torch.testing.assert_close(x.grad, x_all.grad[rows])
+    router_grad = layer.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    torch.testing.assert_close(router_grad, ref.router.weight.grad)
+    torch.testing.assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
+    torch.testing.assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
+    c = layer.exchange.counters
+    assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
+    if cfg.score_correction_bias:
+        # The bias steers every token off expert 0 and off the last rank: they see no rows.
+        assert float(ref.experts.down_proj.grad[0].abs().sum()) == 0.0
+        if rank == world - 1:
+            assert float(layer.experts.down_proj.grad.abs().sum()) == 0.0
+
+
+EP_CASES = [
+    dict(num_experts=8, top_k=2),
+    dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
+    dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
+    # Steered routing: expert 0 and the whole last rank receive no rows.
+    dict(num_experts=8, top_k=2, score_correction_bias=True, score_func="sigmoid"),
+]
+
+
+def _ep_body(rank, world, tokens_per_rank):
+    # One process group runs every case: spawning processes dominates the test's time.
+    for n, kw in enumerate(EP_CASES):
+        kw = dict(kw)
+        if kw["top_k"] == "E/ep":
+            kw["top_k"] = kw["num_experts"] // world
+        _ep_case(rank, world, kw, tokens_per_rank, 1234 + n)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_single_process(world):
+    # World 4 includes a rank with no tokens of its own.
+    tokens = [5, 3, 0, 6] if world == 4 else [6, 4]
+    run_distributed(_ep_body, world, tokens)

@@ -1,0 +1,141 @@
+"""Routing replay across activation-checkpoint recompute.
+
+A checkpointed region runs its function twice: once in the forward and once when the
+backward recomputes it. ``checkpoint`` (and ``wrap_checkpoint``, for frameworks that call
+their own checkpoint function, such as Hugging Face's ``_gradient_checkpointing_func``)
+gives each region a ``ReplayRegion``. During the region's forward every MoELayer records a
+``ReplayEntry`` (its route plan and dispatch handle); during the recompute each layer takes
+the next entry instead of routing and exchanging layouts again.
+
+Entries live in their region, which lives exactly as long as the autograd graph of that
+checkpoint call: an entry from an earlier step (a region whose backward never ran) cannot
+be reached by a later one. Each entry is consumed once; the layer that takes it must be
+the layer that made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+
+import attrs
+import torch.utils.checkpoint as torch_checkpoint
+
+_serials = itertools.count(1)
+_state = threading.local()
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ReplayEntry:
+    """One MoELayer call inside a checkpointed region.
+
+    ``layer_id``: ``id()`` of the layer that recorded it (checked on replay).
+    ``region``: serial of the region (checkpoint call) that recorded it.
+    ``position``: index among the region's entries (forward order).
+    ``plan``: the RoutePlan. ``handle``: the exchange handle the dispatch returned.
+    """
+
+    layer_id: int
+    region: int
+    position: int
+    plan: object
+    handle: object
+
+
+class ReplayRegion:
+    """State of one checkpoint call: its entries and whether it is recording or replaying."""
+
+    def __init__(self, *, reentrant: bool):
+        self.reentrant = reentrant
+        self.serial = next(_serials)
+        self.entries: list[ReplayEntry] = []
+        self.runs = 0
+        self.cursor = 0
+
+    @property
+    def recording(self) -> bool:
+        return self.runs == 1
+
+    @property
+    def replaying(self) -> bool:
+        return self.runs > 1
+
+    def record(self, layer, plan, handle) -> None:
+        self.entries.append(ReplayEntry(layer_id=id(layer), region=self.serial,
+                                        position=len(self.entries), plan=plan, handle=handle))
+
+    def consume(self, layer) -> ReplayEntry:
+        if self.cursor >= len(self.entries):
+            raise RuntimeError(
+                "moe_fn replay: the recompute called more MoE layers than the forward recorded "
+                f"({len(self.entries)}); a checkpointed function must call the same MoE layers "
+                "in the same order each time")
+        entry = self.entries[self.cursor]
+        if entry is None:
+            raise RuntimeError(
+                "moe_fn replay: this checkpoint's route was already replayed; each replay entry "
+                "is consumed once, so a second backward through one checkpoint "
+                "(retain_graph=True) is not supported")
+        if entry.layer_id != id(layer) or entry.region != self.serial:
+            raise RuntimeError(
+                f"moe_fn replay: recompute reached a different MoE layer than the forward at "
+                f"position {self.cursor}; the checkpointed function must be deterministic in "
+                "which MoE layers it calls")
+        self.entries[self.cursor] = None  # consumed: drop the reference to the handle
+        self.cursor += 1
+        return entry
+
+    @contextlib.contextmanager
+    def run(self):
+        self.runs += 1
+        self.cursor = 0
+        stack = _stack()
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+
+def _stack() -> list:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+def current_region() -> ReplayRegion | None:
+    """The innermost checkpoint region being run on this thread, if any."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _in_new_region(fn, *, reentrant: bool):
+    region = ReplayRegion(reentrant=reentrant)
+
+    def run(*a, **kw):
+        with region.run():
+            return fn(*a, **kw)
+    return run
+
+
+def wrap_checkpoint(checkpoint_fn, *, use_reentrant: bool):
+    """Wrap a checkpoint function (``checkpoint_fn(fn, *args, **kw)``) so that each call gets
+    a ReplayRegion. ``use_reentrant`` must say what ``checkpoint_fn`` does."""
+
+    @functools.wraps(checkpoint_fn)
+    def wrapped(fn, *args, **kwargs):
+        return checkpoint_fn(_in_new_region(fn, reentrant=use_reentrant), *args, **kwargs)
+
+    wrapped.moe_fn_replay = True
+    return wrapped
+
+
+def checkpoint(fn, *args, use_reentrant: bool = True, **kwargs):
+    """Activation checkpointing with MoE routing replay: ``torch.utils.checkpoint.checkpoint``
+    with the same arguments (reentrant by default), plus replay of every MoELayer's route and
+    dispatch layout in the recompute, and — with ``skip_recompute_combine`` and a reentrant
+    checkpoint — no forward combine in the recompute (see the README's contract)."""
+    return torch_checkpoint.checkpoint(_in_new_region(fn, reentrant=use_reentrant), *args,
+                                       use_reentrant=use_reentrant, **kwargs)

@@ -1,0 +1,196 @@
+"""Activation checkpointing: routing replay and the recompute-combine skip (issue 4)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import moe_fn
+from moe_fn import MoEConfig, MoELayer
+from tests.dist_utils import run_distributed
+
+H, I, E = 8, 6, 4
+
+
+class Block(nn.Module):
+    """``h + moe(h @ A)``: the MoE output feeds only the residual add."""
+
+    def __init__(self, cfg, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.proj = nn.Parameter(torch.eye(H) + 0.1 * torch.randn(H, H, generator=g))
+        self.moe = MoELayer(cfg)
+        with torch.no_grad():
+            # Every rank builds the full expert set from one seed and keeps its slice.
+            full_gu = 0.5 * torch.randn(E, 2 * I, H, generator=g)
+            full_dn = 0.5 * torch.randn(E, H, I, generator=g)
+            r, el = self.moe.ep_rank, cfg.num_local_experts
+            self.moe.router.weight.copy_(torch.randn(E, H, generator=g))
+            self.moe.experts.gate_up_proj.copy_(full_gu[r * el:(r + 1) * el])
+            self.moe.experts.down_proj.copy_(full_dn[r * el:(r + 1) * el])
+
+    def forward(self, h):
+        return h + self.moe(h @ self.proj)
+
+
+def make_model(cfg):
+    torch.manual_seed(0)
+    return nn.ModuleList([Block(cfg, 10), Block(cfg, 11)])
+
+
+def run_steps(cfg, mode, steps=3, tokens=6, rank=0):
+    """Three SGD steps; the router's large learning rate changes routes between steps."""
+    model = make_model(cfg)
+    opt = torch.optim.SGD([{"params": [b.moe.router.weight for b in model], "lr": 0.5},
+                           {"params": [p for b in model for n, p in b.named_parameters()
+                                       if "router" not in n], "lr": 0.01}])
+    g = torch.Generator().manual_seed(100 + rank)
+    probe = torch.randn(64, H, generator=torch.Generator().manual_seed(7))
+    routes = []
+    record = []
+    for _ in range(steps):
+        x = torch.randn(tokens, H, generator=g).requires_grad_()
+        h = x
+        for b in model:
+            if mode == "none":
+                h = b(h)
+            else:
+                h = moe_fn.checkpoint(b, h, use_reentrant=(mode == "reentrant"))
+        loss = (h * torch.linspace(-1, 1, H)).sum()
+        opt.zero_grad()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if dist.is_initialized():
+            for n in grads:
+                if "router" in n or "proj" in n:
+                    dist.all_reduce(grads[n])
+        assert torch.isfinite(loss)
+        record.append({"h": h.detach().clone(), "x_grad": x.grad.clone(), **grads})
+        with torch.no_grad():
+            routes.append(model[0].moe.route(probe @ model[0].proj)[1])
+        opt.step()
+    # The optimizer moved the routers far enough to change which experts tokens choose.
+    assert not torch.equal(routes[0], routes[-1])
+    return record, model
+
+
+def assert_same(a, b):
+    for step_a, step_b in zip(a, b):
+        assert step_a.keys() == step_b.keys()
+        for k in step_a:
+            torch.testing.assert_close(step_a[k], step_b[k], msg=k)
+
+
+CASES = [dict(score_apply=s, row_weighting_impl=w) for s, w in
+         itertools.product(["post", "pre"], ["eager", "fused"])] + [dict(score_apply="activation")]
+
+
+def _cfg(world, **kw):
+    backend = dict(comm_backend="all_to_all", ep_size=world) if world > 1 else {}
+    return MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, **backend,
+                     **kw)
+
+
+def _check_cases(world, rank=0):
+    routes_changed = False
+    for kw in CASES:
+        ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
+        for mode, skip in [("reentrant", False), ("reentrant", True),
+                           ("non_reentrant", False), ("non_reentrant", True)]:
+            got, model = run_steps(_cfg(world, skip_recompute_combine=skip, **kw), mode,
+                                   rank=rank)
+            assert_same(got, ref)
+            for b in model:
+                c = b.moe.exchange.counters
+                # Per step: one layout, one fresh dispatch, one cached dispatch (recompute).
+                assert (c["layout"], c["dispatch"], c["cached_dispatch"]) == (3, 3, 3)
+                skipped = skip and mode == "reentrant"
+                if mode == "reentrant":
+                    assert c["combine"] == (3 if skipped else 6), (mode, skip, dict(c))
+                    assert c["combine_skipped"] == (3 if skipped else 0)
+                else:
+                    # Non-reentrant recompute stops once the saved tensors are rebuilt, and
+                    # the skip is not applied there (outside the supported contract).
+                    assert c["combine_skipped"] == 0 and c["combine"] >= 3
+                assert c["combine_backward"] == 3 and c["dispatch_backward"] == 3
+        routes_changed = True
+    assert routes_changed
+
+
+def test_replay_matches_unchecked_single_process():
+    _check_cases(1)
+
+
+def _ep_body(rank, world):
+    _check_cases(world, rank)
+
+
+@pytest.mark.multiproc
+def test_replay_matches_unchecked_expert_parallel():
+    run_distributed(_ep_body, 2)
+
+
+def test_stale_entry_from_an_earlier_step_is_never_replayed():
+    """Step 1 records entries but never runs backward; step 2 must route afresh.
+
+    A per-layer queue of entries (the unprotected design) would replay step 1's route in
+    step 2's recompute and give step 2 wrong gradients."""
+    cfg = _cfg(1, skip_recompute_combine=True)
+    torch.manual_seed(3)
+    x1, x2 = torch.randn(6, H), torch.randn(6, H)
+
+    def step(model, x, mode):
+        x = x.clone().requires_grad_()
+        h = x
+        for b in model:
+            h = b(h) if mode == "none" else moe_fn.checkpoint(b, h)
+        (h * torch.linspace(-1, 1, H)).sum().backward()
+        return x.grad, [p.grad.clone() for p in model.parameters()]
+
+    ref = make_model(cfg)
+    with torch.no_grad():
+        for b in ref:
+            b.moe.router.weight.mul_(-1.0)  # step 2's routes differ from step 1's
+    want = step(ref, x2, "none")
+
+    model = make_model(cfg)
+    h = x1.clone().requires_grad_()
+    for b in model:
+        h = moe_fn.checkpoint(b, h)  # forward only: the entries are abandoned with the graph
+    del h
+    with torch.no_grad():
+        for b in model:
+            b.moe.router.weight.mul_(-1.0)
+    got = step(model, x2, "checkpoint")
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_skip_with_output_used_beyond_the_residual_add_gives_non_finite_gradients():
+    """The documented failure mode: NaN sentinel reaches the gradients, loudly."""
+    cfg = _cfg(1, skip_recompute_combine=True)
+    model = make_model(cfg)
+    b = model[0]
+
+    def misuse(h):
+        return h + torch.tanh(b.moe(h @ b.proj)) * 2  # a non-linear consumer of the output
+
+    x = torch.randn(6, H, requires_grad=True)
+    moe_fn.checkpoint(misuse, x).sum().backward()
+    assert not torch.isfinite(x.grad).all()
+    assert not torch.isfinite(b.proj.grad).all()
+
+
+def test_replay_entries_are_consumed_once():
+    cfg = _cfg(1)
+    model = make_model(cfg)
+    x = torch.randn(6, H, requires_grad=True)
+    out = moe_fn.checkpoint(model[0], x)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="consumed once"):
+        out.sum().backward()

@@ -1,0 +1,72 @@
+"""GPU-only checks (skipped without CUDA): Triton and grouped-GEMM paths on the device
+against float64 oracles, with the tolerance rule "at most twice plain PyTorch's own
+low-precision error, plus one bf16 step"."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_fn import functional
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_STEP = 2.0 ** -8
+
+
+def naive_experts(x, gate_up, down, counts, activation, layout):
+    outs, start = [], 0
+    i = down.shape[-1]
+    for e, c in enumerate(counts):
+        xe = x[start:start + c]
+        start += c
+        gu = xe @ gate_up[e].t()
+        g, u = (gu[:, :i], gu[:, i:]) if layout == "halves" else (gu[:, 0::2], gu[:, 1::2])
+        if activation == "swiglu":
+            a = F.silu(g) * u
+        elif activation == "geglu_tanh":
+            a = F.gelu(g, approximate="tanh") * u
+        else:
+            gc, uc = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+            a = F.silu(gc) * uc if activation == "swiglu_clamped" else \
+                (uc + 1) * gc * torch.sigmoid(1.702 * gc)
+        outs.append(a @ down[e].t())
+    return torch.cat(outs)
+
+
+def _err(a, ref):
+    return ((a.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("activation,layout,impl", itertools.product(
+    ["swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh"], ["halves", "interleaved"],
+    ["fused", "separate"]))
+def test_experts_bf16_on_gpu_against_float64(activation, layout, impl):
+    torch.manual_seed(0)
+    counts = [64, 0, 200, 8, 120]
+    n, h, i, e = sum(counts), 256, 192, len(counts)
+    x = torch.randn(n, h)
+    gu = torch.randn(e, 2 * i, h) * h ** -0.5 * 2
+    dn = torch.randn(e, h, i) * i ** -0.5
+    dy = torch.randn(n, h)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    # float64 oracle and its gradients
+    leaves64 = [t.double().requires_grad_() for t in (x, gu, dn)]
+    ref = naive_experts(*leaves64, counts, activation, layout)
+    ref.backward(dy.double())
+    # plain PyTorch in bf16 on the GPU: the error budget
+    leaves_pt = [t.cuda().bfloat16().requires_grad_() for t in (x, gu, dn)]
+    plain = naive_experts(*leaves_pt, counts, activation, layout)
+    plain.backward(dy.cuda().bfloat16())
+    # moe_fn
+    leaves = [t.cuda().bfloat16().requires_grad_() for t in (x, gu, dn)]
+    out = functional.experts(*leaves, offs.cuda(), activation=activation, layout=layout,
+                             gate_up_impl=impl)
+    out.backward(dy.cuda().bfloat16())
+    assert _err(out.detach(), ref.detach()) <= 2 * _err(plain.detach(), ref.detach()) + BF16_STEP
+    for ours, pt, r in zip(leaves, leaves_pt, leaves64):
+        assert _err(ours.grad, r.grad) <= 2 * _err(pt.grad, r.grad) + BF16_STEP

@@ -83,7 +83,12 @@ def main():
     w3 = hf.experts.gate_up_proj.detach()[:, i:].contiguous().requires_grad_()
     w2 = hf.experts.down_proj.detach().clone().requires_grad_()
     rw = hf.gate.weight.detach().clone().requires_grad_()
-    variants["transformers Qwen3MoeSparseMoeBlock grouped_mm"] = lambda x: hf(x)
+
+    def hf_call(x):
+        # The HF block takes (batch, seq, hidden); some versions also return router logits.
+        o = hf(x[None])
+        return (o[0] if isinstance(o, tuple) else o).reshape(x.shape)
+    variants["transformers Qwen3MoeSparseMoeBlock grouped_mm"] = hf_call
     variants["plain PyTorch layer"] = lambda x: plain_layer(x, rw, w1, w3, w2, k)
 
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16).requires_grad_()

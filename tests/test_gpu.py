@@ -42,9 +42,9 @@ def _err(a, ref):
     return ((a.double().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("activation,layout,impl", itertools.product(
+@pytest.mark.parametrize("activation,layout,impl", list(itertools.product(
     ["swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh"], ["halves", "interleaved"],
-    ["fused", "separate"]))
+    ["fused", "separate"])))
 def test_experts_bf16_on_gpu_against_float64(activation, layout, impl):
     torch.manual_seed(0)
     counts = [64, 0, 200, 8, 120]
@@ -67,6 +67,21 @@ def test_experts_bf16_on_gpu_against_float64(activation, layout, impl):
     out = functional.experts(*leaves, offs.cuda(), activation=activation, layout=layout,
                              gate_up_impl=impl)
     out.backward(dy.cuda().bfloat16())
-    assert _err(out.detach(), ref.detach()) <= 2 * _err(plain.detach(), ref.detach()) + BF16_STEP
-    for ours, pt, r in zip(leaves, leaves_pt, leaves64):
-        assert _err(ours.grad, r.grad) <= 2 * _err(pt.grad, r.grad) + BF16_STEP
+    e_out, e_plain = _err(out.detach(), ref.detach()), _err(plain.detach(), ref.detach())
+    assert e_out <= 2 * e_plain + BF16_STEP, (e_out, e_plain)
+    for name, ours, pt, r in zip(("x", "gate_up", "down"), leaves, leaves_pt, leaves64):
+        e_ours, e_pt = _err(ours.grad, r.grad), _err(pt.grad, r.grad)
+        assert e_ours <= 2 * e_pt + BF16_STEP, (name, e_ours, e_pt)
+
+
+def test_empty_expert_weight_gradient_is_zero_on_gpu():
+    counts = [16, 0, 32]
+    x = torch.randn(48, 64, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(3, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dn = torch.randn(3, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    for _ in range(3):  # reuse of freed memory would expose unwritten outputs
+        gu.grad = dn.grad = None
+        functional.experts(x, gu, dn, offs).sum().backward()
+        assert gu.grad[1].abs().max().item() == 0.0
+        assert dn.grad[1].abs().max().item() == 0.0

@@ -72,7 +72,7 @@ def main():
     variants = {}
     for impl in ("fused", "separate"):
         cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
-                        gate_up_impl=impl)
+                        gate_up_impl=impl, row_weighting_impl="fused")
         layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             layer.router.weight.copy_(hf.gate.weight)
@@ -91,6 +91,8 @@ def main():
     variants["transformers Qwen3MoeSparseMoeBlock grouped_mm"] = hf_call
     variants["plain PyTorch layer"] = lambda x: plain_layer(x, rw, w1, w3, w2, k)
 
+    params = [p for v in variants.values() if isinstance(v, torch.nn.Module)
+              for p in v.parameters()] + list(hf.parameters()) + [w1, w3, w2, rw]
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ref = variants["plain PyTorch layer"](x).float()
@@ -105,6 +107,9 @@ def main():
             return fn(x)
 
         def fwd_bwd(fn=fn):
+            # As optimizer.zero_grad(set_to_none=True) leaves them: no accumulation pass.
+            for p in params:
+                p.grad = None
             x.grad = None
             o = fn(x)
             (o[0] if isinstance(o, tuple) else o).backward(dy)

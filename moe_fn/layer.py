@@ -12,7 +12,6 @@ from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
-from .pure.activations import compute_dtype
 from .pure.dispatch import layout
 from .records import RoutePlan
 from .replay import current_region
@@ -113,8 +112,8 @@ class MoELayer(nn.Module):
     def _weight_rows(self, rows, row_w):
         if self.config.row_weighting_impl == "fused":
             return functional.row_weight(rows, row_w)
-        cd = compute_dtype(rows.dtype)
-        return (rows.to(cd) * row_w.to(cd)[:, None]).to(rows.dtype)
+        # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
+        return rows * row_w.to(rows.dtype)[:, None]
 
     def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True):
         c = self.config

@@ -19,12 +19,15 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index)
 
 
-def _sum_rows_into(num: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """out[index[i]] += rows[i], accumulated in float32 for half types."""
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    out = torch.zeros((num, *rows.shape[1:]), dtype=acc, device=rows.device)
-    out.index_add_(0, index, rows.to(acc))
-    return out.to(rows.dtype)
+def _sum_over_k(sorted_rows: torch.Tensor, plan) -> torch.Tensor:
+    """out[t] = sum_j sorted_rows[inv_perm[t*k + j]]: each token's k expert-sorted rows.
+
+    A gather and a sum over k (accumulated in float32 for half types): no atomics, so the
+    result is the same on every run and device."""
+    t, k, h = plan.num_tokens, plan.top_k, sorted_rows.shape[-1]
+    tk = _gather_rows(sorted_rows, plan.inv_perm).reshape(t, k, h)
+    acc = torch.float64 if tk.dtype == torch.float64 else torch.float32
+    return tk.sum(dim=1, dtype=acc).to(sorted_rows.dtype)
 
 
 def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -105,7 +108,7 @@ class SortedRowsExchange(Exchange):
             for w in (work, work_w):
                 if w is not None:
                     w.wait()
-            dx = _sum_rows_into(plan.num_tokens, home, plan.token_of_sorted)
+            dx = _sum_over_k(home, plan)
             d_w = None
             if home_w is not None:
                 d_w = home_w.reshape(-1)[plan.inv_perm].reshape(plan.num_tokens, plan.top_k)
@@ -118,11 +121,8 @@ class SortedRowsExchange(Exchange):
     def combine_fwd(self, rows, handle: SortedRowsHandle):
         self.counters["combine"] += 1
         plan = handle.plan
-        home, work = self._to_home(rows, handle)
-        t, k = plan.num_tokens, plan.top_k
-        out = _gather_rows(home, plan.inv_perm).reshape(t, k, rows.shape[-1])
-        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-        return out.sum(dim=1, dtype=acc).to(rows.dtype), handle
+        home, _ = self._to_home(rows, handle)
+        return _sum_over_k(home, plan), handle
 
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import attrs
+import torch
 
 from .pure.activations import ACTIVATIONS, LAYOUTS, resolve_activation
 from .pure.router import GROUP_SCORES, SCORE_FUNCS
@@ -95,6 +96,7 @@ class MoEConfig:
             raise ValueError(f"routed_scaling_factor must be a positive finite number, got {r!r}")
         self._check_exchange()
         self._check_weighting()
+        self._check_overlap()
 
     def _check_groups(self):
         e, g = self.num_experts, self.n_group
@@ -147,6 +149,21 @@ class MoEConfig:
                 "row_weighting_impl='fused' weights expert rows before or after the experts, "
                 "but score_apply='activation' folds the weights into the activation kernel: "
                 "use row_weighting_impl='eager' (or score_apply 'pre'/'post')")
+
+    def _check_overlap(self):
+        if not self.overlap_weight_grad:
+            return
+        if self.ep_size == 1:
+            raise ValueError(
+                "overlap_weight_grad overlaps the experts' weight-gradient GEMMs with the "
+                "backward combine between ranks; with ep_size=1 there is no combine to hide "
+                "them behind: set overlap_weight_grad=False")
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise ValueError(
+                "overlap_weight_grad needs torch._C._set_sm_carveout_experimental to keep the "
+                "communication's SMs free of GEMMs (without it the overlap is slower than "
+                "serial); this torch build lacks it: upgrade torch or set "
+                "overlap_weight_grad=False")
 
     @property
     def num_local_experts(self) -> int:

@@ -110,13 +110,15 @@ def _check_experts_args(x, gate_up_proj, down_proj, weights):
 
 
 def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_impl="fused",
-            layout="halves", alpha=None, limit=None, weights=None):
+            layout="halves", alpha=None, limit=None, weights=None, weight_grad_slot=None):
     """The expert MLP ``y = down(act(gate_up(x)) [* weights])``, rows grouped by expert.
 
     x ``(N, H)``, gate_up_proj ``(E, 2I, H)`` packed per ``layout``, down_proj
     ``(E, H, I)``, offs ``(E,)`` int32 ending at N, weights ``(N,)`` or None -> ``(N, H)``.
     gate_up_impl: "fused" (one GEMM over the packed weight, packed activation) or
-    "separate" (two GEMMs over its halves).
+    "separate" (two GEMMs over its halves). weight_grad_slot: a
+    ``moe_fn.autograd.slot.WeightGradSlot`` to defer the weight-gradient GEMMs into
+    (MoELayer's overlap_weight_grad; whoever passes one must drain it in its backward).
     """
     if gate_up_impl not in GATE_UP_IMPLS:
         raise ValueError(f"gate_up_impl must be one of {GATE_UP_IMPLS}, got {gate_up_impl!r}")
@@ -125,4 +127,4 @@ def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_im
     _check_experts_args(x, gate_up_proj, down_proj, weights)
     _check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
     return Experts.apply(x, gate_up_proj, down_proj, offs, weights, act_id, alpha, limit,
-                         layout_id, gate_up_impl == "fused")
+                         layout_id, gate_up_impl == "fused", weight_grad_slot)

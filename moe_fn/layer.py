@@ -9,6 +9,7 @@ from torch import nn
 
 from . import functional
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
+from .autograd.slot import WeightGradSlot
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
@@ -115,7 +116,7 @@ class MoELayer(nn.Module):
         # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
         return rows * row_w.to(rows.dtype)[:, None]
 
-    def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True):
+    def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None):
         c = self.config
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
@@ -124,7 +125,7 @@ class MoELayer(nn.Module):
             rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
             activation=c.activation, gate_up_impl=c.gate_up_impl, layout=c.gate_up_layout,
             alpha=c.activation_alpha, limit=c.activation_limit,
-            weights=row_w if c.score_apply == "activation" else None)
+            weights=row_w if c.score_apply == "activation" else None, weight_grad_slot=slot)
         if c.score_apply == "post" and post_weighting:
             y = self._weight_rows(y, row_w)
         return y
@@ -144,16 +145,23 @@ class MoELayer(nn.Module):
         region = current_region()
         entry = region.consume(self) if region is not None and region.replaying else None
         logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
+        overlap = ()
+        slot = None
+        if c.overlap_weight_grad:
+            slot = WeightGradSlot()
+            overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm)
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
             rows, row_w, handle = Dispatch.apply(x2, w, self.exchange,
-                                                 self.exchange.layout(plan), False)
+                                                 self.exchange.layout(plan), False, *overlap)
             if region is not None:
                 region.record(self, plan, handle)
         else:
-            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange, entry.handle, True)
+            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange, entry.handle, True,
+                                                 *overlap)
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
-        y = self.expert_compute(rows, row_w, handle.local_offs, post_weighting=not skip)
+        y = self.expert_compute(rows, row_w, handle.local_offs, post_weighting=not skip,
+                                slot=slot)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")

@@ -11,7 +11,7 @@ import torch
 
 from .. import kernels
 from ..pure.activations import SwigluPackedRes, SwigluRes
-from ..pure.experts import ExpertsRes, experts_bwd, experts_fwd
+from ..pure.experts import ExpertsRes, experts_bwd, experts_bwd_input, experts_fwd
 from ..pure.grouped import GroupedLinearRes, grouped_linear_bwd, grouped_linear_fwd
 from ..pure.row_weight import RowWeightRes
 from ._common import refuse_double_backward
@@ -94,13 +94,14 @@ class Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, offs, weights, act_id: int, alpha: float,
-                limit: float, layout_id: int, fused: bool):
+                limit: float, layout_id: int, fused: bool, weight_grad_slot=None):
         y, res = experts_fwd(x, gate_up_proj, down_proj, offs, weights, act_id=act_id,
                              alpha=alpha, limit=limit, layout_id=layout_id, fused=fused,
                              act_impl=kernels)
         ctx.save_for_backward(x, gate_up_proj, down_proj, offs, res.gate_up, res.gate, res.up,
                               res.h, weights)
         ctx.statics = (act_id, alpha, limit, layout_id, fused)
+        ctx.slot = weight_grad_slot
         return y
 
     @staticmethod
@@ -111,6 +112,12 @@ class Experts(torch.autograd.Function):
         res = ExpertsRes(x, gup, down, offs, gate_up, gate, up, h, weights, act_id, alpha,
                          limit, layout_id, fused, kernels)
         n = ctx.needs_input_grad
+        if ctx.slot is not None:
+            # Overlap: dX now; the dW GEMMs run in the dispatch backward, beside the combine.
+            dx, d_w, work = experts_bwd_input(res, dy.contiguous(), needs_x=n[0],
+                                              needs_weights=n[4])
+            ctx.slot.fill(work)
+            return dx, None, None, None, d_w, None, None, None, None, None, None
         dx, d_gup, d_down, d_w = experts_bwd(res, dy.contiguous(),
                                              needs=(n[0], n[1], n[2], n[4]))
-        return dx, d_gup, d_down, None, d_w, None, None, None, None, None
+        return dx, d_gup, d_down, None, d_w, None, None, None, None, None, None

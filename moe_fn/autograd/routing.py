@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..comm.base import sm_carveout
+from ..pure.experts import experts_bwd_weight
 from ..pure.router import RouterRes, router_bwd, router_fwd
 from ..pure.row_weight import RowWeightRes, row_weight_bwd
 from ._common import contiguous_grad, refuse_double_backward
@@ -44,11 +46,18 @@ class Dispatch(torch.autograd.Function):
     Returns ``(rows, row_weights, handle)``; the handle (not a tensor) is what the combine
     and a replayed dispatch reuse. Backward sends the row gradients (and routing-weight
     gradients) back to the tokens' home ranks and sums each token's k rows.
+
+    With ``weight_grad_slot`` (overlap_weight_grad) the expert weights are inputs too: the
+    backward starts the combine of dX asynchronously, runs the experts' deferred dW GEMMs
+    from the slot with ``carveout`` SMs withheld (CUDA), waits for the combine, and returns
+    dW as the weights' gradients.
     """
 
     @staticmethod
-    def forward(ctx, x, weights, exchange, layout, cached):
+    def forward(ctx, x, weights, exchange, layout, cached, gate_up_proj=None, down_proj=None,
+                weight_grad_slot=None, carveout=None):
         rows, row_w, handle = exchange.dispatch_fwd(x, weights, layout, cached=cached)
+        ctx.slot, ctx.carveout = weight_grad_slot, carveout
         ctx.exchange, ctx.handle = exchange, handle
         ctx.has_weights = weights is not None
         ctx.row_meta = (rows.shape, rows.dtype, rows.device)
@@ -62,8 +71,18 @@ class Dispatch(torch.autograd.Function):
             shape, dtype, device = ctx.row_meta
             d_rows = torch.zeros(shape, dtype=dtype, device=device)
         d_row_w = contiguous_grad(d_row_w) if ctx.has_weights else None
-        dx, d_w = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w)
-        return dx, d_w, None, None, None
+        if ctx.slot is None:
+            dx, d_w = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w)
+            return dx, d_w, None, None, None, None, None, None, None
+        work = ctx.slot.drain()
+        pending = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w, async_op=True)
+        try:
+            with sm_carveout(ctx.carveout):
+                d_gup, d_down = experts_bwd_weight(
+                    work, needs=(ctx.needs_input_grad[5], ctx.needs_input_grad[6]))
+        finally:
+            dx, d_w = pending.wait()
+        return dx, d_w, None, None, None, d_gup, d_down, None, None
 
 
 class Combine(torch.autograd.Function):

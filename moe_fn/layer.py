@@ -40,6 +40,7 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
 
 
 def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
+    topk_idx = topk_idx.contiguous()  # DeepEP reads it as a dense (T, k) array
     with torch.no_grad():
         counts, _offs, perm, inv_perm = layout(topk_idx, num_experts)
     return RoutePlan(topk_idx=topk_idx, counts=counts, perm=perm, inv_perm=inv_perm,

@@ -1,0 +1,329 @@
+"""Expert parallelism on several GPUs of one host (torchrun, NCCL; DeepEP where importable).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 bench/gpu_ep.py --out ep.json
+
+1. Parity: each EP backend (all_to_all over NCCL, deepep) against a local layer holding
+   every expert that computes all ranks' tokens: outputs and every gradient.
+2. The Qwen3-30B-A3B layer (H 2048, I 768, E 128, top-8, bf16, --tokens per rank):
+   - layer forward and backward per backend;
+   - exchange throughput: permute + exchange + unpermute against raw all_to_all_single of
+     the same payload, and DeepEP dispatch/combine;
+   - recompute (issue 4): forward + checkpointed recompute + backward with the combine skip
+     on and off; fresh dispatch (layout + dispatch) against a cached one; the forward combine;
+   - overlap (issue 5): layer backward with overlap_weight_grad on/off at comm_num_sm 12,
+     20, 24; the backward combine and the dW GEMMs alone; a profiler count of the time
+     communication kernels ran concurrently with the dW GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import moe_fn
+from bench._gpu import environment
+from moe_fn import MoEConfig, MoELayer
+from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
+
+RANK = WORLD = 0
+LOG = []
+
+
+def say(*a):
+    if RANK == 0:
+        print(*a, flush=True)
+
+
+def timed(fn, reps=20, warmup=5):
+    """Median ms over ranks-synchronised CUDA-event timings (max over ranks per rep)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([s.elapsed_time(e)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append(t.item())
+    return statistics.median(out)
+
+
+def backends(have_deepep):
+    return ["all_to_all"] + (["deepep"] if have_deepep else [])
+
+
+def build(cfg_kw, backend, seed=0, **extra):
+    torch.manual_seed(seed)
+    e = cfg_kw["num_experts"]
+    full = MoEConfig(**cfg_kw)
+    gu = torch.randn(e, 2 * full.intermediate_size, full.hidden_size, device="cuda") * 0.02
+    dn = torch.randn(e, full.hidden_size, full.intermediate_size, device="cuda") * 0.02
+    rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
+    cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
+    layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
+    el = cfg.num_local_experts
+    with torch.no_grad():
+        layer.router.weight.copy_(rw)
+        layer.experts.gate_up_proj.copy_(gu[RANK * el:(RANK + 1) * el])
+        layer.experts.down_proj.copy_(dn[RANK * el:(RANK + 1) * el])
+    return layer, (rw, gu, dn)
+
+
+def parity(have_deepep, results):
+    kw = dict(hidden_size=2048, intermediate_size=256, num_experts=16, top_k=4)
+    t = 512
+    for backend in backends(have_deepep):
+        layer, (rw, gu, dn) = build(kw, backend)
+        ref = MoELayer(MoEConfig(**kw), device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref.router.weight.copy_(rw)
+            ref.experts.gate_up_proj.copy_(gu)
+            ref.experts.down_proj.copy_(dn)
+        torch.manual_seed(100)
+        xs = torch.randn(WORLD, t, 2048, device="cuda", dtype=torch.bfloat16)
+        dys = torch.randn_like(xs)
+        x_all = xs.reshape(-1, 2048).clone().requires_grad_()
+        ref(x_all).backward(dys.reshape(-1, 2048))
+        out_all = ref(x_all.detach()).float()
+        x = xs[RANK].clone().requires_grad_()
+        out = layer(x)
+        out.backward(dys[RANK])
+        el = layer.config.num_local_experts
+        sl = slice(RANK * el, (RANK + 1) * el)
+        rg = layer.router.weight.grad.float().clone()
+        dist.all_reduce(rg)
+
+        def rel(a, b):
+            return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        diffs = {
+            "out": rel(out, out_all[RANK * t:(RANK + 1) * t]),
+            "x_grad": rel(x.grad, x_all.grad[RANK * t:(RANK + 1) * t]),
+            "router_grad": rel(rg, ref.router.weight.grad),
+            "gate_up_grad": rel(layer.experts.gate_up_proj.grad,
+                                ref.experts.gate_up_proj.grad[sl]),
+            "down_grad": rel(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl]),
+        }
+        worst = torch.tensor([max(diffs.values())], device="cuda")
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        diffs["worst_over_ranks"] = worst.item()
+        results["parity"][backend] = diffs
+        say(f"parity {backend} vs local: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+
+
+QWEN = dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8)
+
+
+def layer_bench(have_deepep, results, tokens, reps):
+    flops = 2 * tokens * 8 * 2048 * 3 * 768
+    for backend in backends(have_deepep):
+        layer, _ = build(QWEN, backend, row_weighting_impl="fused")
+        x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+
+        def fwd():
+            return layer(x)
+
+        def fwd_bwd():
+            for p in layer.parameters():
+                p.grad = None
+            layer(x).backward(dy)
+        tf, tfb = timed(fwd, reps), timed(fwd_bwd, reps)
+        row = {"fwd_ms": tf, "bwd_ms": tfb - tf, "tflops_fwd": flops / tf / 1e9,
+               "tflops_bwd": 2 * flops / (tfb - tf) / 1e9}
+        results["layer"][backend] = row
+        say(f"layer EP{WORLD} {backend}: {row}")
+
+        # Exchange alone: the moves of one forward (dispatch, then combine) against raw
+        # all_to_all_single of the same bytes.
+        ex = layer.exchange
+        with torch.no_grad():
+            _, idx, w = layer.route(x)
+            plan = moe_fn.layer.make_route_plan(idx, 128)
+            rows, row_w, handle = ex.dispatch_fwd(x, w, ex.layout(plan))
+
+            def fresh():
+                p = moe_fn.layer.make_route_plan(idx, 128)
+                ex.dispatch_fwd(x, w, ex.layout(p))
+
+            def cached():
+                ex.dispatch_fwd(x, w, handle, cached=True)
+
+            def combine():
+                ex.combine_fwd(rows, handle)
+            t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
+                                                                                       reps)
+        # Bytes that cross between ranks: the rows not kept locally, bf16.
+        sent_rows = (sum(handle.send_splits) - handle.send_splits[RANK]
+                     if backend == "all_to_all" else handle.num_recv_tokens)
+        payload = sent_rows * 2048 * 2
+        row = {"fresh_dispatch_ms": t_fresh, "cached_dispatch_ms": t_cached,
+               "combine_ms": t_comb, "cached_speedup": t_fresh / t_cached,
+               "rows_per_rank": rows.shape[0], "dispatch_gbs": payload / t_cached / 1e6,
+               "combine_gbs": payload / t_comb / 1e6}
+        if backend == "all_to_all":
+            send = torch.randn(sum(handle.send_splits), 2048, device="cuda",
+                               dtype=torch.bfloat16)
+            recv = torch.empty(sum(handle.recv_splits), 2048, device="cuda",
+                               dtype=torch.bfloat16)
+
+            def raw():
+                dist.all_to_all_single(recv, send, list(handle.recv_splits),
+                                       list(handle.send_splits))
+            t_raw = timed(raw, reps)
+            row["raw_all_to_all_ms"] = t_raw
+            row["dispatch_vs_raw"] = t_raw / t_cached
+            row["combine_vs_raw"] = t_raw / t_comb
+        results["exchange"][backend] = row
+        say(f"exchange {backend}: {row}")
+
+
+def recompute_bench(have_deepep, results, tokens, reps):
+    for backend in backends(have_deepep):
+        for skip in (False, True):
+            layer, _ = build(QWEN, backend, row_weighting_impl="fused",
+                             skip_recompute_combine=skip)
+            x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            dy = torch.randn_like(x)
+
+            def step():
+                for p in layer.parameters():
+                    p.grad = None
+                moe_fn.checkpoint(lambda h: h + layer(h), x).backward(dy)
+            t = timed(step, reps)
+            c = dict(layer.exchange.counters)
+            results["recompute"][f"{backend} skip={skip}"] = {"fwd_recompute_bwd_ms": t,
+                                                             "counters": c}
+            say(f"recompute {backend} skip={skip}: {t:.3f} ms counters {c}")
+        on = results["recompute"][f"{backend} skip=True"]["fwd_recompute_bwd_ms"]
+        off = results["recompute"][f"{backend} skip=False"]["fwd_recompute_bwd_ms"]
+        comb = results["exchange"][backend]["combine_ms"]
+        results["recompute"][f"{backend} saved"] = {
+            "saved_ms": off - on, "forward_combine_ms": comb,
+            "saved_fraction_of_combine": (off - on) / comb}
+        say(f"recompute {backend}: skip saves {off - on:.3f} ms of a {comb:.3f} ms combine")
+
+
+def overlap_bench(have_deepep, results, tokens, reps):
+    for backend in backends(have_deepep):
+        for sms in (12, 20, 24):
+            row = {}
+            for overlap in (False, True):
+                layer, _ = build(QWEN, backend, row_weighting_impl="fused",
+                                 overlap_weight_grad=overlap, comm_num_sm=sms)
+                x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
+                                requires_grad=True)
+                dy = torch.randn_like(x)
+                out = [None]
+
+                def fwd():
+                    out[0] = layer(x)
+
+                def fwd_bwd():
+                    for p in layer.parameters():
+                        p.grad = None
+                    layer(x).backward(dy)
+                tf, tfb = timed(fwd, reps), timed(fwd_bwd, reps)
+                row["overlap" if overlap else "serial"] = tfb - tf
+            # The two pieces alone: dW GEMMs and the backward combine (dispatch backward).
+            ex = layer.exchange
+            with torch.no_grad():
+                _, idx, w = layer.route(x)
+                plan = moe_fn.layer.make_route_plan(idx, 128)
+                rows, row_w, handle = ex.dispatch_fwd(x, w, ex.layout(plan))
+                d_rows = torch.randn_like(rows)
+                _, res = experts_fwd(rows, layer.experts.gate_up_proj, layer.experts.down_proj,
+                                     handle.local_offs, act_id=0, alpha=0.0, limit=0.0,
+                                     layout_id=0, fused=True)
+                _, _, work = experts_bwd_input(res, d_rows)
+                t_dw = timed(lambda: experts_bwd_weight(work), reps)
+                t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
+            hidden = (row["serial"] - row["overlap"]) / min(t_dw, t_comb)
+            row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
+            results["overlap"][f"{backend} sm={sms}"] = row
+            say(f"overlap {backend} comm_num_sm={sms}: {row}")
+        trace_overlap(layer, x, dy, results, backend)
+
+
+def trace_overlap(layer, x, dy, results, backend):
+    """Time during which a communication kernel and a grouped GEMM ran at once (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+    for p in layer.parameters():
+        p.grad = None
+    layer(x).backward(dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for p in layer.parameters():
+            p.grad = None
+        layer(x).backward(dy)
+        torch.cuda.synchronize()
+    comm, gemm = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.name.lower()
+        span = (ev.time_range.start, ev.time_range.end)
+        if "nccl" in name or "deep_ep" in name or "intranode" in name or "combine" in name:
+            comm.append(span)
+        elif "cutlass" in name or "gemm" in name:
+            gemm.append(span)
+    both = sum(max(0, min(a1, b1) - max(a0, b0)) for a0, a1 in comm for b0, b1 in gemm)
+    summary = {"comm_kernel_us": sum(b - a for a, b in comm),
+               "gemm_kernel_us": sum(b - a for a, b in gemm),
+               "concurrent_us": both,
+               "comm_kernels": sorted({e.name[:60] for e in prof.events()
+                                       if any(k in e.name.lower() for k in
+                                              ("nccl", "deep_ep", "intranode"))})[:6]}
+    results["overlap"][f"{backend} trace"] = summary
+    say(f"trace {backend}: {summary}")
+
+
+def main():
+    global RANK, WORLD
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="parity,layer,recompute,overlap")
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", RANK)))
+    try:
+        import deep_ep  # noqa: F401
+        have_deepep = True
+    except ImportError as e:
+        have_deepep = False
+        say(f"DeepEP not importable ({e}); all_to_all only")
+    results = {"env": environment(), "world": WORLD, "tokens_per_rank": a.tokens,
+               "parity": {}, "layer": {}, "exchange": {}, "recompute": {}, "overlap": {}}
+    only = a.only.split(",")
+    if "parity" in only:
+        parity(have_deepep, results)
+    if "layer" in only or "recompute" in only:
+        layer_bench(have_deepep, results, a.tokens, a.reps)
+    if "recompute" in only:
+        recompute_bench(have_deepep, results, a.tokens, a.reps)
+    if "overlap" in only:
+        overlap_bench(have_deepep, results, a.tokens, a.reps)
+    if RANK == 0 and a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

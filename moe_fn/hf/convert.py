@@ -1,0 +1,364 @@
+"""``convert``: swap each Hugging Face sparse MoE block for one whose routed experts run on a
+MoELayer, in place, keeping HF's parameter names, shapes and outputs.
+
+How a block is converted (no copies, nothing re-registered):
+
+- The block instance stays where it is, with its children (router, experts, shared
+  experts), parameters, buffers and hooks; only its class becomes a subclass of HF's
+  (``MoeFn<HFBlock>``) whose ``forward`` runs the preset's code around the routed experts.
+  ``isinstance`` checks of HF code (weight init, output capture) still hold.
+- A MoELayer, held by the block outside the module tree (so ``state_dict()`` keys are
+  exactly HF's), reads the router weight, the score-correction bias and the experts'
+  ``gate_up_proj`` / ``down_proj`` through views of the block's own children: the same
+  Parameter objects, never a copy. ``.to()``, ``load_state_dict`` and optimizers see HF's
+  parameters only.
+- The router's class becomes ``MoeFn<HFRouter>``: called normally it is HF's router; the
+  block calls it once per forward with the MoELayer's logits so that HF's output-capture
+  hooks (``_can_record_outputs`` / ``OutputRecorder`` on the router class) record the same
+  ``router_logits`` (and the aux loss sees them), gradients included.
+- The HF decoder layer around a block gets ``moe_fn.replay`` around the checkpoint function
+  HF's ``gradient_checkpointing_enable`` gives it (before or after ``convert``): the
+  recompute replays the forward's routes and dispatch layouts, and honours
+  ``skip_recompute_combine`` under a reentrant checkpoint.
+- With ``ep_size > 1`` rank r keeps experts ``r*E/ep ... (r+1)*E/ep - 1``: the experts'
+  parameters are replaced by that slice (shape ``(E/ep, ...)`` in ``state_dict``);
+  :func:`gather_expert_state_dict` reassembles full HF-shaped tensors. Build optimizers after
+  ``convert``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import MoEConfig
+from ..layer import MoELayer
+from ..replay import wrap_checkpoint
+from .presets import MODEL_TYPES, PRESETS, Preset
+
+__all__ = ["convert", "converted_blocks", "gather_expert_state_dict"]
+
+# MoEConfig fields a preset derives from the model (passing them would break equivalence).
+DERIVED = ("hidden_size", "intermediate_size", "num_experts", "top_k", "activation",
+           "activation_alpha", "activation_limit", "gate_up_layout", "score_func",
+           "norm_topk_prob", "n_group", "topk_group", "group_score", "score_correction_bias",
+           "routed_scaling_factor", "ep_size")
+OPTIONS = tuple(f.name for f in attrs.fields(MoEConfig) if f.name not in DERIVED)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def _supported() -> str:
+    return ", ".join(f"{p.name} (model_type {'/'.join(p.model_types)})"
+                     for p in PRESETS.values())
+
+
+def _get_path(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _RouterView(nn.Module):
+    """What MoELayer reads as its router: the HF router's weight and the HF block's
+    score-correction bias, looked up on every access (never copied)."""
+
+    def __init__(self, block: nn.Module, preset: Preset):
+        super().__init__()
+        self.__dict__["_block"] = block  # not a child: the block is not the layer's
+        self._router_attr = preset.router_attr
+        self._bias_attr = preset.bias_attr
+        self._float32 = preset.router_dtype == "float32"
+
+    @property
+    def weight(self):
+        w = getattr(self._block, self._router_attr).weight
+        return w.float() if self._float32 else w
+
+    @property
+    def e_score_correction_bias(self):
+        return None if self._bias_attr is None else _get_path(self._block, self._bias_attr)
+
+
+class _ExpertsView(nn.Module):
+    """What MoELayer reads as its experts: the HF experts' own parameters."""
+
+    def __init__(self, block: nn.Module, preset: Preset):
+        super().__init__()
+        self.__dict__["_block"] = block
+        self._experts_attr = preset.experts_attr
+
+    @property
+    def gate_up_proj(self):
+        return getattr(self._block, self._experts_attr).gate_up_proj
+
+    @property
+    def down_proj(self):
+        return getattr(self._block, self._experts_attr).down_proj
+
+
+class HFMoELayer(MoELayer):
+    """MoELayer whose router input is cast as the HF router does before its linear:
+    ``router_dtype`` "float32" (DeepSeek/GLM: input and weight in float32) or "weight"
+    (MiniMax: input cast to the weight's dtype); None leaves it as it comes."""
+
+    router_dtype: str | None = None
+
+    def route(self, x2: torch.Tensor, *args, **kwargs):
+        if self.router_dtype == "float32":
+            x2 = x2.float()
+        elif self.router_dtype == "weight":
+            x2 = x2.to(self.router.weight.dtype)
+        return super().route(x2, *args, **kwargs)
+
+
+class _RecordingRouter:
+    """Mixin for the HF router class: a call carrying ``_moe_fn_output`` returns it as is
+    (so forward hooks such as HF's output capture see the MoELayer's logits); any other
+    call is HF's router."""
+
+    def forward(self, *args, _moe_fn_output=None, **kwargs):
+        if _moe_fn_output is not None:
+            return _moe_fn_output
+        return super().forward(*args, **kwargs)
+
+
+class ConvertedBlock:
+    """Mixin for a converted HF MoE block; ``moe_layer`` is the MoELayer running its
+    routed experts and ``moe_preset`` the preset that wrote its forward."""
+
+    @property
+    def moe_layer(self) -> MoELayer:
+        return self.__dict__["_moe_fn_layer"]
+
+    @property
+    def moe_preset(self) -> Preset:
+        return self.__dict__["_moe_fn_preset"]
+
+    def _moe_fn_routed(self, x: torch.Tensor) -> torch.Tensor:
+        out, logits = self.moe_layer(x, return_router_logits=True)
+        # HF's router returns (router_logits, top-k weights, top-k indices); output capture
+        # records index 0. The weights and indices live inside the MoELayer.
+        getattr(self, self.moe_preset.router_attr)(x, _moe_fn_output=(logits, None, None))
+        return out
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.moe_preset.forward(self, hidden_states, self._moe_fn_routed)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.moe_layer.train(mode)
+        return self
+
+
+def _use_reentrant(fn) -> bool | None:
+    """Whether HF's checkpoint function (``functools.partial(checkpoint, **kwargs)``) is
+    reentrant, or None when that cannot be read off it."""
+    kw = getattr(fn, "keywords", None)
+    if isinstance(kw, dict) and isinstance(kw.get("use_reentrant"), bool):
+        return kw["use_reentrant"]
+    return None
+
+
+class _ReplayCheckpointLayer:
+    """Mixin for the HF decoder layer holding a converted block: the checkpoint function HF
+    assigns (``gradient_checkpointing_enable``) is wrapped by ``moe_fn.replay.wrap_checkpoint``
+    so the recompute replays each MoELayer's route and dispatch layout (and, with
+    ``skip_recompute_combine`` and a reentrant checkpoint, skips the forward combine: the
+    presets' decoder layers use the block's output only in the residual add). A function
+    whose reentrancy cannot be read is kept as is (ordinary recompute)."""
+
+    @property
+    def _gradient_checkpointing_func(self):
+        return self.__dict__.get("_moe_fn_ckpt_func")
+
+    @_gradient_checkpointing_func.setter
+    def _gradient_checkpointing_func(self, fn):
+        reentrant = _use_reentrant(fn)
+        if fn is not None and reentrant is not None and not getattr(fn, "moe_fn_replay", False):
+            fn = wrap_checkpoint(fn, use_reentrant=reentrant)
+        self.__dict__["_moe_fn_ckpt_func"] = fn
+
+
+def _enable_replay(model: nn.Module, block_name: str) -> None:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers without checkpointing layers
+        return
+    parts = block_name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = model.get_submodule(".".join(parts[:i]))
+        if isinstance(parent, GradientCheckpointingLayer):
+            if not isinstance(parent, _ReplayCheckpointLayer):
+                fn = parent.__dict__.pop("_gradient_checkpointing_func", None)
+                parent.__class__ = _subclass(_ReplayCheckpointLayer, type(parent))
+                parent._gradient_checkpointing_func = fn
+            return
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(mixin: type, base: type) -> type:
+    cls = _CLASSES.get((mixin, base))
+    if cls is None:
+        cls = type(f"MoeFn{base.__name__}", (mixin, base),
+                   {"__module__": __name__, "__doc__": f"{base.__name__} converted by moe_fn.hf."})
+        _CLASSES[(mixin, base)] = cls
+    return cls
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def resolve_preset(model: nn.Module, preset: str | None = None) -> Preset:
+    """The preset named by ``preset``, or the one serving ``model.config.model_type``."""
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; supported presets: {_supported()}")
+        return PRESETS[preset]
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} has no moe_fn preset; pass preset= for a "
+                         f"model of a supported family. Supported: {_supported()}")
+    return PRESETS[MODEL_TYPES[model_type]]
+
+
+def _check_options(options: dict, moe_layer_pattern) -> None:
+    derived = sorted(set(options) & set(DERIVED))
+    if derived:
+        raise ValueError(f"{derived} are set by the preset from the model (routing, sizes, "
+                         f"activation) or by ep_size=; options may set only {list(OPTIONS)}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; options are MoEConfig fields: "
+                         f"{list(OPTIONS)}")
+    if options.get("score_apply") == "pre":
+        raise ValueError(
+            "score_apply='pre' weights the experts' inputs, which changes what a nonlinear "
+            "expert computes: HF weights the experts' outputs. Use 'post' (the default) or "
+            "'activation' (the weight folded into the activation output, before the linear "
+            "down projection: the same function)")
+    if moe_layer_pattern is not None and options.get("skip_recompute_combine"):
+        raise ValueError(
+            "skip_recompute_combine=True cannot be combined with a custom moe_layer_pattern: "
+            "the skip is only correct when the MoE output feeds nothing but the decoder "
+            "layer's residual add, which is proven for the presets' blocks and cannot be for "
+            "an arbitrary parent module")
+
+
+def _find_blocks(model, block_cls, pattern) -> list[tuple[str, nn.Module]]:
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, block_cls)]
+    for n, m in blocks:
+        if isinstance(m, ConvertedBlock):
+            raise ValueError(f"{n or 'the model'} is already converted")
+    if pattern is None:
+        if not blocks:
+            raise ValueError(f"the model has no {block_cls.__name__} module to convert")
+        return blocks
+    rx = re.compile(pattern)
+    chosen = [(n, m) for n, m in blocks if rx.fullmatch(n)]
+    if not chosen:
+        names = [n for n, _ in blocks]
+        raise ValueError(f"moe_layer_pattern {pattern!r} matches no {block_cls.__name__} "
+                         f"(the pattern must fully match a qualified module name; the model's "
+                         f"blocks are {names[:8]}{' ...' if len(names) > 8 else ''})")
+    return chosen
+
+
+def _convert_block(block, preset: Preset, text_config, process_group, ep_size, options):
+    router = getattr(block, preset.router_attr)
+    experts = getattr(block, preset.experts_attr)
+    gate_up = experts.gate_up_proj
+    num_experts, two_i, hidden = gate_up.shape
+    options = dict(options)
+    options.setdefault("comm_backend", "all_to_all" if ep_size > 1 else "local")
+    config = MoEConfig(hidden_size=hidden, intermediate_size=two_i // 2,
+                       num_experts=num_experts, top_k=int(router.top_k), ep_size=ep_size,
+                       **preset.routing(text_config), **options)
+    layer = HFMoELayer(config, process_group, device="meta", dtype=gate_up.dtype)
+    layer.router_dtype = preset.router_dtype
+    layer.router = _RouterView(block, preset)
+    layer.experts = _ExpertsView(block, preset)
+    if ep_size > 1:
+        n = config.num_local_experts
+        lo = layer.ep_rank * n
+        for name in EXPERT_PARAMS:
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(full.detach()[lo:lo + n].clone(),
+                                                requires_grad=full.requires_grad))
+    layer.train(block.training)
+    block.__dict__["_moe_fn_layer"] = layer
+    block.__dict__["_moe_fn_preset"] = preset
+    router.__class__ = _subclass(_RecordingRouter, type(router))
+    block.__class__ = _subclass(ConvertedBlock, type(block))
+
+
+def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: str | None = None,
+            moe_layer_pattern: str | None = None, **options) -> nn.Module:
+    """Convert every sparse MoE block of a Hugging Face model in place; returns ``model``.
+
+    preset: a name in ``moe_fn.hf.PRESETS``; default from ``model.config.model_type``.
+    moe_layer_pattern: a regex that must fully match the qualified names of the blocks to
+    convert (among the preset's block class); default all of them.
+    ep_size / process_group: expert parallelism over a group of ``ep_size`` ranks (default
+    the world group); each rank keeps its slice of the experts, and ``comm_backend``
+    defaults to "all_to_all" (``"local"`` for ep_size 1).
+    options: MoEConfig options that do not change what is computed (``OPTIONS``):
+    gate_up_impl, score_apply ("post" or "activation"; "pre" is refused),
+    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, overlap_weight_grad,
+    skip_recompute_combine.
+
+    Raises ValueError for an unsupported model type, a pattern that matches no block, an
+    unknown or preset-derived option, score_apply="pre", or ``skip_recompute_combine`` with
+    a custom pattern; NotImplementedError for a preset MoELayer cannot compute yet (gpt_oss).
+    """
+    p = resolve_preset(model, preset)
+    if p.unsupported:
+        raise NotImplementedError(p.unsupported)
+    _check_options(options, moe_layer_pattern)
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+    text_config = _text_config(model.config)
+    for name, block in _find_blocks(model, p.cls("block"), moe_layer_pattern):
+        _convert_block(block, p, text_config, process_group, ep_size, options)
+        _enable_replay(model, name)
+    return model
+
+
+def converted_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, block)`` of every converted block of ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ConvertedBlock)]
+
+
+def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every expert-parallel tensor reassembled to HF's full shape.
+
+    Collective: every rank of the expert-parallel group must call it. Experts' tensors of
+    each converted block with ``ep_size > 1`` (``experts.gate_up_proj (E/ep, 2I, H)``,
+    ``experts.down_proj (E/ep, H, I)``) are all-gathered over ``process_group`` (default each
+    block's own group) and concatenated in rank order, giving ``(E, 2I, H)`` and
+    ``(E, H, I)``; everything else is as ``state_dict()`` returns it. The result loads into
+    an unconverted HF model of the same config.
+    """
+    sd = model.state_dict()
+    for name, block in converted_blocks(model):
+        layer = block.moe_layer
+        ep = layer.config.ep_size
+        if ep == 1:
+            continue
+        group = process_group if process_group is not None else layer.process_group
+        experts = getattr(block, block.moe_preset.experts_attr)
+        for pname in EXPERT_PARAMS:
+            key = ".".join(filter(None, (name, block.moe_preset.experts_attr, pname)))
+            local = getattr(experts, pname).detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(ep)]
+            dist.all_gather(parts, local, group=group)
+            sd[key] = torch.cat(parts, dim=0)
+    return sd

@@ -1,0 +1,255 @@
+"""Presets: what each Hugging Face MoE block computes, written as a MoEConfig plus the code
+HF runs around its routed experts (shared experts, their gates, jitter, the return value).
+
+Each preset names the HF block class, its router and experts children, where the
+score-correction bias lives, and how the router's logits are computed (dtype). The
+routing maps (transformers 5.x modeling code is the reference):
+
+=============  =========  =========  ===========================  ======  ==============
+preset         scores     top-k norm groups (n_group/topk/score)  bias    activation
+=============  =========  =========  ===========================  ======  ==============
+qwen3_moe      softmax    config     -                            -       swiglu
+qwen2_moe      softmax    config     -                            -       swiglu
+qwen3_5_moe    softmax    always     -                            -       swiglu
+mixtral        softmax    always     -                            -       swiglu
+olmoe          softmax    config     -                            -       swiglu
+deepseek_v2    softmax    never      group_limited_greedy: max    -       swiglu
+deepseek_v3    sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+glm4_moe       sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+minimax_m2     sigmoid    always     -                            block   swiglu
+minimax_m3     sigmoid    always     -                            gate    swiglu_oai
+gpt_oss        softmax_topk  -       -                            -       swiglu_oai (interleaved)
+=============  =========  =========  ===========================  ======  ==============
+
+``routed_scaling_factor`` is read from the config for deepseek_v2/v3, glm4_moe and
+minimax_m3 (where HF multiplies the experts' sum after the fact; the product is linear, so
+it moves into the routing weights). DeepSeek-V2/V3 and GLM-4-MoE compute router logits in
+float32; MiniMax casts the input to the router weight's dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+# HF ``hidden_act`` of the experts -> our gated activation.
+HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}
+
+
+def _act(cfg) -> dict:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in HIDDEN_ACT:
+        raise ValueError(f"hidden_act={act!r} of the experts has no gated activation in "
+                         f"moe_fn (supported: {sorted(HIDDEN_ACT)})")
+    return {"activation": HIDDEN_ACT[act]}
+
+
+def _softmax(cfg, norm) -> dict:
+    return dict(score_func="softmax",
+                norm_topk_prob=bool(norm if isinstance(norm, bool) else getattr(cfg, norm)))
+
+
+# Sizes (E, I, H) come from the experts' parameters and top_k from the router module, so
+# the routing functions only map the routing rule and the activation.
+
+
+def _routing_qwen3(cfg):
+    return _softmax(cfg, "norm_topk_prob") | _act(cfg)
+
+
+def _routing_qwen3_5(cfg):
+    # Qwen3.5-MoE's router always normalises the top-k probabilities.
+    return _softmax(cfg, True) | _act(cfg)
+
+
+def _routing_mixtral(cfg):
+    return _softmax(cfg, True) | _act(cfg)
+
+
+def _routing_deepseek_v2(cfg):
+    # DeepSeek-V2 never normalises (it ignores norm_topk_prob).
+    out = _softmax(cfg, False)
+    method = getattr(cfg, "topk_method", "greedy")
+    if method == "group_limited_greedy":
+        out |= dict(n_group=int(cfg.n_group), topk_group=int(cfg.topk_group), group_score="max")
+    elif method != "greedy":
+        raise ValueError(f"deepseek_v2: topk_method={method!r} is not supported "
+                         "(supported: 'greedy', 'group_limited_greedy')")
+    return out | dict(routed_scaling_factor=float(cfg.routed_scaling_factor)) | _act(cfg)
+
+
+def _routing_deepseek_v3(cfg):
+    # HF always runs the group selection, n_group=1 included (top-2 sum of one group).
+    return dict(score_func="sigmoid", norm_topk_prob=bool(cfg.norm_topk_prob),
+                n_group=int(cfg.n_group or 1), topk_group=int(cfg.topk_group or 1),
+                group_score="top2_sum", score_correction_bias=True,
+                routed_scaling_factor=float(cfg.routed_scaling_factor)) | _act(cfg)
+
+
+def _routing_minimax_m2(cfg):
+    return dict(score_func="sigmoid", norm_topk_prob=True,
+                score_correction_bias=True) | _act(cfg)
+
+
+def _routing_minimax_m3(cfg):
+    # hidden_act is ignored by HF here: the gate is computed inline from swiglu_alpha/limit.
+    return dict(score_func="sigmoid", norm_topk_prob=True, score_correction_bias=True,
+                routed_scaling_factor=float(cfg.routed_scaling_factor),
+                activation="swiglu_oai", activation_alpha=float(cfg.swiglu_alpha),
+                activation_limit=float(cfg.swiglu_limit))
+
+
+def _routing_gpt_oss(cfg):
+    return dict(score_func="softmax_topk", norm_topk_prob=False, activation="swiglu_oai",
+                activation_alpha=float(cfg.swiglu_alpha), activation_limit=float(cfg.swiglu_limit),
+                gate_up_layout="interleaved")
+
+
+# --- what HF computes around the routed experts -------------------------------------------
+# ``routed(x)`` maps (..., H) -> (..., H): the routing-weighted sum of the experts (and it
+# records the router logits where HF's output capture expects them).
+
+
+def _jitter(block, hidden_states):
+    # Mixtral / MiniMax-M2: multiplicative input jitter in training, in place as in HF.
+    if block.training and block.jitter_noise > 0:
+        hidden_states *= torch.empty_like(hidden_states).uniform_(
+            1.0 - block.jitter_noise, 1.0 + block.jitter_noise)
+    return hidden_states
+
+
+def forward_plain(block, hidden_states, routed):
+    return routed(hidden_states)
+
+
+def forward_jitter(block, hidden_states, routed):
+    return routed(_jitter(block, hidden_states))
+
+
+def forward_gated_shared(block, hidden_states, routed):
+    """Qwen2-MoE / Qwen3.5-MoE: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    b, s, h = hidden_states.shape
+    x = hidden_states.view(-1, h)
+    shared = block.shared_expert(x)
+    out = routed(x)
+    shared = F.sigmoid(block.shared_expert_gate(x)) * shared
+    return (out + shared).reshape(b, s, h)
+
+
+def forward_shared(block, hidden_states, routed):
+    """DeepSeek-V2/V3, GLM-4-MoE: routed + shared_experts(x)."""
+    return routed(hidden_states) + block.shared_experts(hidden_states)
+
+
+def forward_minimax_m3(block, hidden_states, routed):
+    """MiniMax-M3: routed (routed_scaling_factor folded into the weights) + shared_experts."""
+    b, s, h = hidden_states.shape
+    x = hidden_states.view(-1, h)
+    shared = block.shared_experts(x)
+    return (routed(x) + shared).reshape(b, s, h)
+
+
+def forward_gpt_oss(block, hidden_states, routed):  # pragma: no cover - gpt_oss is refused
+    raise NotImplementedError
+
+
+GPT_OSS_MISSING = (
+    "GPT-OSS cannot be converted yet: its experts add per-expert biases "
+    "(experts.gate_up_proj_bias (E, 2I) after gate+up, experts.down_proj_bias (E, H) after "
+    "down, before the routing weight) and its router adds router.bias (E,) to the logits; "
+    "MoELayer has neither expert biases nor a router bias. (Its transposed storage "
+    "gate_up_proj (E, H, 2I) / down_proj (E, I, H), the interleaved gate/up packing, "
+    "swiglu_oai and softmax_topk routing are otherwise covered.)"
+)
+
+
+@attrs.frozen(kw_only=True)
+class Preset:
+    """One HF MoE family.
+
+    name: the preset's name; model_types: the ``config.model_type`` values it serves.
+    module: the transformers modeling module; block_class / router_class / experts_class:
+    class names in it. router_attr / experts_attr: the block's children. bias_attr: dotted
+    path (from the block) of the ``e_score_correction_bias`` buffer, or None.
+    router_dtype: None (logits in the weight's dtype from the input as it comes),
+    "float32" (input and weight cast to float32, DeepSeek), "weight" (input cast to the
+    weight's dtype, MiniMax). routing: HF text config -> MoEConfig fields. forward:
+    ``(block, hidden_states, routed) -> what HF's block returns``. unsupported: why convert
+    must refuse it (NotImplementedError), or None.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    module: str
+    block_class: str
+    router_class: str
+    experts_class: str
+    routing: Callable
+    forward: Callable
+    router_attr: str = "gate"
+    experts_attr: str = "experts"
+    bias_attr: str | None = None
+    router_dtype: str | None = None
+    min_transformers: str = "5.0.0"
+    unsupported: str | None = None
+
+    def modeling(self):
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as e:  # pragma: no cover - depends on the installed transformers
+            raise ValueError(f"preset {self.name!r} needs transformers >= "
+                             f"{self.min_transformers} ({self.module} not importable: {e})") from e
+
+    def cls(self, which: str):
+        mod = self.modeling()
+        name = getattr(self, f"{which}_class")
+        try:
+            return getattr(mod, name)
+        except AttributeError as e:  # pragma: no cover - depends on the installed transformers
+            raise ValueError(f"preset {self.name!r}: {self.module} has no {name}; it needs "
+                             f"transformers >= {self.min_transformers}") from e
+
+
+def _p(name, model_types, stem, block, router, experts, routing, forward, **kw) -> Preset:
+    return Preset(name=name, model_types=tuple(model_types),
+                  module=f"transformers.models.{stem}.modeling_{stem}", block_class=block,
+                  router_class=router, experts_class=experts, routing=routing, forward=forward,
+                  **kw)
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    _p("qwen3_moe", ["qwen3_moe"], "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
+       "Qwen3MoeExperts", _routing_qwen3, forward_plain),
+    _p("qwen2_moe", ["qwen2_moe"], "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
+       "Qwen2MoeExperts", _routing_qwen3, forward_gated_shared),
+    _p("qwen3_5_moe", ["qwen3_5_moe", "qwen3_5_moe_text"], "qwen3_5_moe",
+       "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts",
+       _routing_qwen3_5, forward_gated_shared, min_transformers="5.2.0"),
+    _p("mixtral", ["mixtral"], "mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter",
+       "MixtralExperts", _routing_mixtral, forward_jitter),
+    _p("olmoe", ["olmoe"], "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
+       _routing_qwen3, forward_plain),
+    _p("deepseek_v2", ["deepseek_v2"], "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
+       "DeepseekV2Experts", _routing_deepseek_v2, forward_shared, router_dtype="float32"),
+    _p("deepseek_v3", ["deepseek_v3"], "deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
+       "DeepseekV3Experts", _routing_deepseek_v3, forward_shared,
+       bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+    _p("glm4_moe", ["glm4_moe"], "glm4_moe", "Glm4MoeMoE", "Glm4MoeTopkRouter", "Glm4MoeExperts",
+       _routing_deepseek_v3, forward_shared, bias_attr="gate.e_score_correction_bias",
+       router_dtype="float32"),
+    _p("minimax_m2", ["minimax_m2"], "minimax_m2", "MiniMaxM2SparseMoeBlock",
+       "MiniMaxM2TopKRouter", "MiniMaxM2Experts", _routing_minimax_m2, forward_jitter,
+       bias_attr="e_score_correction_bias", router_dtype="weight"),
+    _p("minimax_m3", ["minimax_m3_vl", "minimax_m3_vl_text"], "minimax_m3_vl",
+       "MiniMaxM3VLSparseMoeBlock", "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts",
+       _routing_minimax_m3, forward_minimax_m3, bias_attr="gate.e_score_correction_bias",
+       router_dtype="weight", min_transformers="5.15.0"),
+    _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
+       _routing_gpt_oss, forward_gpt_oss, router_attr="router", unsupported=GPT_OSS_MISSING),
+]}
+
+MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

@@ -1,0 +1,175 @@
+"""Tiny random Hugging Face MoE models, one per preset, and the parity checks the tests share."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 64
+SEQ = 8
+BATCH = 2
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+               output_router_logits=True, router_aux_loss_coef=0.01)
+
+
+def _qwen3_moe():
+    cfg = transformers.Qwen3MoeConfig(**_COMMON, head_dim=8, intermediate_size=24,
+                                      moe_intermediate_size=8, num_experts=8,
+                                      num_experts_per_tok=2, norm_topk_prob=False)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _qwen2_moe():
+    cfg = transformers.Qwen2MoeConfig(**_COMMON, intermediate_size=24, moe_intermediate_size=8,
+                                      shared_expert_intermediate_size=12, num_experts=8,
+                                      num_experts_per_tok=2, norm_topk_prob=True)
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def _qwen3_5_moe():
+    from transformers.models.qwen3_5_moe import configuration_qwen3_5_moe as c
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+    cfg = c.Qwen3_5MoeTextConfig(**_COMMON, head_dim=8, moe_intermediate_size=8,
+                                 shared_expert_intermediate_size=12, num_experts=8,
+                                 num_experts_per_tok=2,
+                                 layer_types=["linear_attention", "full_attention"],
+                                 linear_num_key_heads=2, linear_num_value_heads=2,
+                                 linear_key_head_dim=8, linear_value_head_dim=8,
+                                 linear_conv_kernel_dim=2)
+    return m.Qwen3_5MoeForCausalLM(cfg)
+
+
+def _mixtral():
+    cfg = transformers.MixtralConfig(**_COMMON, head_dim=8, intermediate_size=8,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _olmoe():
+    cfg = transformers.OlmoeConfig(**_COMMON, intermediate_size=8, num_experts=8,
+                                   num_experts_per_tok=2, norm_topk_prob=True)
+    return transformers.OlmoeForCausalLM(cfg)
+
+
+_MLA = dict(num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, moe_intermediate_size=8, n_shared_experts=1,
+            intermediate_size=24)
+
+
+def _deepseek_v2():
+    cfg = transformers.DeepseekV2Config(**(_COMMON | _MLA), n_routed_experts=8,
+                                        num_experts_per_tok=3, first_k_dense_replace=1,
+                                        topk_method="group_limited_greedy", n_group=4,
+                                        topk_group=2, routed_scaling_factor=1.5)
+    return transformers.DeepseekV2ForCausalLM(cfg)
+
+
+def _deepseek_v3():
+    cfg = transformers.DeepseekV3Config(**(_COMMON | _MLA), n_routed_experts=8,
+                                        num_experts_per_tok=3, first_k_dense_replace=0,
+                                        n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                        norm_topk_prob=True)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def _glm4_moe():
+    cfg = transformers.Glm4MoeConfig(**_COMMON, head_dim=8, intermediate_size=24,
+                                     moe_intermediate_size=8, n_routed_experts=8,
+                                     n_shared_experts=1, num_experts_per_tok=2,
+                                     first_k_dense_replace=0, n_group=2, topk_group=1,
+                                     routed_scaling_factor=1.7, norm_topk_prob=False)
+    return transformers.Glm4MoeForCausalLM(cfg)
+
+
+def _minimax_m2():
+    cfg = transformers.MiniMaxM2Config(**_COMMON, head_dim=8, intermediate_size=8,
+                                       num_local_experts=8, num_experts_per_tok=2)
+    return transformers.MiniMaxM2ForCausalLM(cfg)
+
+
+def _minimax_m3():
+    from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as c
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m
+
+    cfg = c.MiniMaxM3VLTextConfig(**_COMMON, head_dim=8, intermediate_size=8,
+                                  shared_intermediate_size=12, dense_intermediate_size=24,
+                                  num_local_experts=8, num_experts_per_tok=2,
+                                  routed_scaling_factor=2.0, swiglu_limit=0.05,
+                                  mlp_layer_types=["dense", "sparse"])
+    return m.MiniMaxM3VLForCausalLM(cfg)
+
+
+def _gpt_oss():
+    cfg = transformers.GptOssConfig(**_COMMON, head_dim=8, intermediate_size=8,
+                                    num_local_experts=4, num_experts_per_tok=2)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _qwen3_5_moe,
+             "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
+             "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
+             "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss}
+SUPPORTED = [n for n in FACTORIES if n != "gpt_oss"]
+
+
+def make_model(name: str, seed: int = 0):
+    """A float32 model with non-degenerate routing: weights N(0, 0.02), routers N(0, 1),
+    experts N(0, 0.1), score-correction biases N(0, 0.5), so scores are far from ties."""
+    torch.manual_seed(seed)
+    model = FACTORIES[name]().float()
+    model.config._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif pname.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "experts.gate_up_proj" in pname or "experts.down_proj" in pname:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif ".linear_attn." in pname:
+                # Qwen3.5's gated delta net: HF's own A_log/dt_bias; projections large
+                # enough that the l2-normalised q/k do not amplify rounding (1/|q|).
+                if p.dim() > 1:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g) if p.dim() > 1
+                        else 0.1 * torch.randn(p.shape, generator=g))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(1000 + seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, ids.clone()
+
+
+def run(model, ids, labels):
+    """Forward with labels and router logits, backward of the loss; returns the outputs."""
+    out = model(input_ids=ids, labels=labels, output_router_logits=True, use_cache=False)
+    out.loss.backward()
+    return out
+
+
+def assert_close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def assert_outputs_close(got, want, name):
+    assert_close(got.logits, want.logits, f"{name} logits")
+    assert_close(got.loss, want.loss, f"{name} loss")
+    rl_want = getattr(want, "router_logits", None)
+    if rl_want is not None:
+        assert got.router_logits is not None and len(got.router_logits) == len(rl_want)
+        assert len(rl_want) > 0, f"{name}: the reference recorded no router logits"
+        for i, (g, w) in enumerate(zip(got.router_logits, rl_want)):
+            assert_close(g, w, f"{name} router_logits[{i}]")
+    aux_want = getattr(want, "aux_loss", None)
+    if aux_want is not None:
+        assert_close(got.aux_loss, aux_want, f"{name} aux_loss")

@@ -1,0 +1,238 @@
+"""convert() against the unconverted Hugging Face model, one process, float32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from moe_fn.hf import PRESETS, ConvertedBlock, convert, converted_blocks, gather_expert_state_dict
+from tests.hf.models import (
+    SUPPORTED,
+    assert_close,
+    assert_outputs_close,
+    batch,
+    make_model,
+    run,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable:FutureWarning")
+
+
+def _pair(name, ckpt=False, **options):
+    ref = make_model(name)
+    conv = convert(copy.deepcopy(ref), **options)
+    for m in (ref, conv):
+        m.train()
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return ref, conv
+
+
+def _assert_grads_equal(conv, ref, name):
+    want = dict(ref.named_parameters())
+    got = dict(conv.named_parameters())
+    assert got.keys() == want.keys()
+    for pname, p in got.items():
+        w = want[pname].grad
+        if w is None:
+            assert p.grad is None or not p.grad.any(), f"{name}: {pname} has a gradient HF lacks"
+            continue
+        assert p.grad is not None, f"{name}: {pname} got no gradient"
+        assert_close(p.grad, w, f"{name} grad {pname}")
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_matches_hf(name, ckpt):
+    _check_matches_hf(name, ckpt)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3"])
+def test_checkpointed_skip_recompute_combine(name):
+    blocks = _check_matches_hf(name, True, skip_recompute_combine=True)
+    assert all(b.moe_layer.exchange.counters["combine_skipped"] == 1 for _, b in blocks)
+
+
+def _check_matches_hf(name, ckpt, **options):
+    ref, conv = _pair(name, ckpt, **options)
+    blocks = converted_blocks(conv)
+    assert blocks and all(b.moe_layer.config.ep_size == 1 for _, b in blocks)
+    ids, labels = batch()
+    want = run(ref, ids, labels)
+    got = run(conv, ids, labels)
+    assert_outputs_close(got, want, name)
+    _assert_grads_equal(conv, ref, name)
+    # The experts' weights received gradients, so the MoELayer ran on HF's parameters; HF's
+    # reentrant recompute replayed the route (one layout, one cached dispatch).
+    for _, b in blocks:
+        assert b.experts.gate_up_proj.grad is not None and b.experts.gate_up_proj.grad.any()
+        counters = b.moe_layer.exchange.counters
+        assert (counters["layout"], counters["cached_dispatch"]) == (1, int(ckpt))
+    return blocks
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3"])
+def test_state_dict_round_trip_and_sharing(name):
+    ref = make_model(name)
+    conv = convert(make_model(name, seed=1))
+    sd = conv.state_dict()
+    want = ref.state_dict()
+    assert list(sd) == list(want)
+    assert all(sd[k].shape == want[k].shape for k in sd)
+    # HF -> converted: the MoELayer computes with the loaded weights (shared, not copied).
+    conv.load_state_dict(want, strict=True)
+    for _, b in converted_blocks(conv):
+        assert b.moe_layer.experts.gate_up_proj is b.experts.gate_up_proj
+        assert b.moe_layer.experts.down_proj is b.experts.down_proj
+        assert b.moe_layer.router.weight is b.gate.weight
+    ids, labels = batch()
+    with torch.no_grad():
+        assert_close(conv(input_ids=ids).logits, ref(input_ids=ids).logits, name)
+    # converted -> HF (gather is the identity without expert parallelism).
+    fresh = make_model(name, seed=2)
+    fresh.load_state_dict(gather_expert_state_dict(conv), strict=True)
+    with torch.no_grad():
+        assert_close(fresh(input_ids=ids).logits, ref(input_ids=ids).logits, name)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2"])
+def test_bfloat16_with_float32_router(name):
+    """.to() reaches the shared parameters; a float32 router in a bf16 model (HF keeps
+    DeepSeek's gate.weight in float32) routes as HF does."""
+    ref = make_model(name).bfloat16()
+    conv = convert(make_model(name)).bfloat16()
+    conv.load_state_dict(ref.state_dict())
+    for m in (ref, conv):
+        for n, p in m.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.data = p.data.float()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for (_, b), w in zip(converted_blocks(conv), _blocks_like(ref, conv)):
+        w64 = copy.deepcopy(w).double()
+        w64.experts.config._experts_implementation = "eager"  # grouped_mm has no float64
+        with torch.no_grad():
+            got, want, exact = b(x.clone()), w(x.clone()), w64(x.double())
+        assert got.dtype == torch.bfloat16
+        # At most twice HF's own bf16 error against float64, plus one bf16 step.
+        err, hf_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+        assert err <= 2 * hf_err + 2**-8 * exact.abs().max(), (float(err), float(hf_err))
+
+
+def _blocks_like(ref, conv):
+    mods = dict(ref.named_modules())
+    return [mods[n] for n, _ in converted_blocks(conv)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(gate_up_impl="separate"),
+    dict(score_apply="activation"),
+    dict(combine_impl="eager", row_weighting_impl="eager"),
+])
+def test_options_keep_parity(options):
+    ref, conv = _pair("qwen3_moe", **options)
+    assert all(getattr(b.moe_layer.config, k) == v
+               for _, b in converted_blocks(conv) for k, v in options.items())
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), str(options))
+    _assert_grads_equal(conv, ref, str(options))
+
+
+def test_mixtral_jitter_in_training():
+    ref, conv = _pair("mixtral")
+    for m in (ref, conv):
+        for mod in m.modules():
+            if hasattr(mod, "jitter_noise"):
+                mod.jitter_noise = 0.1
+    ids, labels = batch()
+    torch.manual_seed(5)
+    want = run(ref, ids, labels)
+    torch.manual_seed(5)
+    got = run(conv, ids, labels)
+    assert_outputs_close(got, want, "mixtral jitter")
+    _assert_grads_equal(conv, ref, "mixtral jitter")
+
+
+def test_hooks_installed_before_convert_still_record():
+    model = make_model("qwen3_moe")
+    ids, labels = batch()
+    want = model(input_ids=ids, output_router_logits=True)  # installs HF's capture hooks
+    convert(model)
+    got = model(input_ids=ids, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits) == 2
+    for g, w in zip(got.router_logits, want.router_logits):
+        assert_close(g, w, "router logits")
+
+
+def test_router_called_directly_is_hf():
+    ref = make_model("qwen3_moe")
+    conv = convert(copy.deepcopy(ref))
+    x = torch.randn(5, 16)
+    for g, w in zip(conv.model.layers[0].mlp.gate(x), ref.model.layers[0].mlp.gate(x)):
+        torch.testing.assert_close(g, w)
+    blk = conv.model.layers[0].mlp
+    assert isinstance(blk, type(ref.model.layers[0].mlp)) and isinstance(blk, ConvertedBlock)
+
+
+def test_pattern_selects_blocks():
+    ref = make_model("olmoe")
+    conv = convert(copy.deepcopy(ref), moe_layer_pattern=r"model\.layers\.1\.mlp")
+    assert [n for n, _ in converted_blocks(conv)] == ["model.layers.1.mlp"]
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), "olmoe pattern")
+    _assert_grads_equal(conv, ref, "olmoe pattern")
+
+
+def test_unsupported_model_type():
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="no moe_fn preset.*Supported: .*qwen3_moe"):
+        convert(transformers.LlamaForCausalLM(cfg))
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        convert(make_model("olmoe"), preset="nope")
+    with pytest.raises(ValueError, match="no MixtralSparseMoeBlock"):
+        convert(make_model("olmoe"), preset="mixtral")
+
+
+def test_gpt_oss_not_implemented():
+    with pytest.raises(NotImplementedError, match="gate_up_proj_bias.*down_proj_bias"):
+        convert(make_model("gpt_oss"))
+    assert PRESETS["gpt_oss"].unsupported
+
+
+def test_bad_patterns_and_options():
+    m = make_model("olmoe")
+    with pytest.raises(ValueError, match="matches no OlmoeSparseMoeBlock"):
+        convert(m, moe_layer_pattern=r"model\.layers\.\d+\.self_attn")
+    with pytest.raises(ValueError, match="skip_recompute_combine=True cannot be combined"):
+        convert(m, moe_layer_pattern=r"model\.layers\.\d+\.mlp", skip_recompute_combine=True)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['gate_up'\]"):
+        convert(m, gate_up="fused")
+    with pytest.raises(ValueError, match=r"\['top_k'\] are set by the preset"):
+        convert(m, top_k=1)
+    with pytest.raises(ValueError, match="score_apply='pre' weights the experts' inputs"):
+        convert(m, score_apply="pre")
+    with pytest.raises(ValueError, match="ep_size must be a positive int"):
+        convert(m, ep_size=0)
+    assert not converted_blocks(m)  # nothing half-converted by a refused call
+    convert(m, skip_recompute_combine=True)  # a preset's own blocks may skip
+    with pytest.raises(ValueError, match="already converted"):
+        convert(m)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_enabled_before_convert(reentrant):
+    ref = make_model("olmoe")
+    conv = copy.deepcopy(ref)
+    for m in (ref, conv):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    convert(conv)
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), "olmoe")
+    _assert_grads_equal(conv, ref, "olmoe")
+    for _, b in converted_blocks(conv):
+        counters = b.moe_layer.exchange.counters
+        assert (counters["layout"], counters["cached_dispatch"]) == (1, 1)

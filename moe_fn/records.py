@@ -73,7 +73,8 @@ class DeepEPHandle:
     from and its top-k slot. ``num_recv_tokens``: tokens received. ``local_offs``:
     (E_local,) int32 row ends per local expert. ``num_rows``: N. ``recv_weights``:
     (num_recv_tokens, k) float32 routing weights as received (a cached dispatch carries
-    none, so a replay reads them here).
+    none, so a replay reads them here). ``row_of_slot``: (num_recv_tokens, k) int64, the
+    expert row of each received (token, slot), -1 where that slot's expert is elsewhere.
     """
 
     plan: RoutePlan
@@ -84,3 +85,4 @@ class DeepEPHandle:
     local_offs: torch.Tensor
     num_rows: int
     recv_weights: torch.Tensor
+    row_of_slot: torch.Tensor

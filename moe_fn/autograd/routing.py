@@ -50,12 +50,13 @@ class Dispatch(torch.autograd.Function):
     With ``weight_grad_slot`` (overlap_weight_grad) the expert weights are inputs too: the
     backward starts the combine of dX asynchronously, runs the experts' deferred dW GEMMs
     from the slot with ``carveout`` SMs withheld (CUDA), waits for the combine, and returns
-    dW as the weights' gradients.
+    dW as the weights' gradients (and, when the experts have biases, passed as
+    ``gate_up_bias`` / ``down_bias``, their gradients too).
     """
 
     @staticmethod
     def forward(ctx, x, weights, exchange, layout, cached, gate_up_proj=None, down_proj=None,
-                weight_grad_slot=None, carveout=None):
+                weight_grad_slot=None, carveout=None, gate_up_bias=None, down_bias=None):
         rows, row_w, handle = exchange.dispatch_fwd(x, weights, layout, cached=cached)
         ctx.slot, ctx.carveout = weight_grad_slot, carveout
         ctx.exchange, ctx.handle = exchange, handle
@@ -73,16 +74,17 @@ class Dispatch(torch.autograd.Function):
         d_row_w = contiguous_grad(d_row_w) if ctx.has_weights else None
         if ctx.slot is None:
             dx, d_w = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w)
-            return dx, d_w, None, None, None, None, None, None, None
+            return (dx, d_w) + (None,) * 9
         work = ctx.slot.drain()
-        pending = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w, async_op=True)
+        pending = ctx.exchange.start_dispatch_bwd(ctx.handle, d_rows, d_row_w)
+        n = ctx.needs_input_grad
         try:
             with sm_carveout(ctx.carveout):
-                d_gup, d_down = experts_bwd_weight(
-                    work, needs=(ctx.needs_input_grad[5], ctx.needs_input_grad[6]))
+                d_gup, d_down, d_gub, d_db = experts_bwd_weight(work,
+                                                                needs=(n[5], n[6], n[9], n[10]))
         finally:
             dx, d_w = pending.wait()
-        return dx, d_w, None, None, None, d_gup, d_down, None, None
+        return dx, d_w, None, None, None, d_gup, d_down, None, None, d_gub, d_db
 
 
 class Combine(torch.autograd.Function):

@@ -64,6 +64,35 @@ class Exchange:
         self.num_local_experts = num_experts // ep_size
         self.counters: Counter = Counter({k: 0 for k in COUNTER_KEYS})
 
+    def start_dispatch_bwd(self, handle, d_rows, d_row_weights) -> Pending:
+        """Start the dispatch backward (the combine of dX) so that it overlaps what the
+        caller runs next; ``wait()`` on the result returns ``(dx, d_weights)``.
+
+        On CUDA the whole combine (gathers, exchange, per-token sums) runs on a side stream,
+        so only the SMs the caller leaves free (the GEMMs' carveout) serve it; elsewhere the
+        exchange's own asynchronous collectives overlap.
+        """
+        if not d_rows.is_cuda:
+            return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
+        main = torch.cuda.current_stream(d_rows.device)
+        if getattr(self, "_side_stream", None) is None:
+            self._side_stream = torch.cuda.Stream(d_rows.device)
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dx, d_w = self.dispatch_bwd(handle, d_rows, d_row_weights)
+        for t in (d_rows, d_row_weights):
+            if t is not None:
+                t.record_stream(side)
+
+        def finish():
+            main.wait_stream(side)
+            for t in (dx, d_w):
+                if t is not None:
+                    t.record_stream(main)
+            return dx, d_w
+        return Pending(finish)
+
     def reset_counters(self) -> None:
         for k in COUNTER_KEYS:
             self.counters[k] = 0

@@ -82,7 +82,11 @@ class DeepEPExchange(Exchange):
         key = torch.where(key < 0, self.num_local_experts, key)
         order = torch.sort(key, stable=True)[1][:n]
         offs = torch.tensor(recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-        return order // k, order % k, offs.to(recv_idx.device), n
+        row_of_slot = torch.full((recv_idx.numel(),), -1, dtype=torch.int64,
+                                 device=recv_idx.device)
+        row_of_slot[order] = torch.arange(n, device=recv_idx.device)
+        return (order // k, order % k, offs.to(recv_idx.device), n,
+                row_of_slot.reshape(recv_idx.shape))
 
     def dispatch_fwd(self, x, weights, layout, *, cached: bool = False):
         self._check_rows("x", x)
@@ -107,10 +111,11 @@ class DeepEPExchange(Exchange):
                 num_tokens_per_expert=per_expert, topk_idx=plan.topk_idx,
                 topk_weights=weights.detach().to(torch.float32).contiguous(),
                 config=self.dispatch_config)
-            token, slot, offs, n = self._expand(plan, recv_idx, recv_counts)
+            token, slot, offs, n, row_of_slot = self._expand(plan, recv_idx, recv_counts)
             handle = DeepEPHandle(plan=plan, deepep_handle=dh, token_of_row=token,
                                   slot_of_row=slot, num_recv_tokens=recv_x.shape[0],
-                                  local_offs=offs, num_rows=n, recv_weights=recv_w)
+                                  local_offs=offs, num_rows=n, recv_weights=recv_w,
+                                  row_of_slot=row_of_slot)
             row_w = recv_w[token, slot] if weights is not None else None
         if recv_x.shape[0] != handle.num_recv_tokens:
             raise RuntimeError(f"DeepEP returned {recv_x.shape[0]} rows but the handle expects "
@@ -119,9 +124,16 @@ class DeepEPExchange(Exchange):
         return recv_x.index_select(0, handle.token_of_row), row_w, handle
 
     def _sum_per_token(self, rows, handle):
-        acc = torch.zeros((handle.num_recv_tokens, rows.shape[1]), dtype=torch.float32,
-                          device=rows.device)
-        return acc.index_add_(0, handle.token_of_row, rows.float()).to(torch.bfloat16)
+        """Each received token's local expert rows, summed (float32 accumulation).
+
+        A gather through ``row_of_slot`` and a masked sum over k: no atomics."""
+        table = handle.row_of_slot
+        r, k = table.shape
+        if rows.shape[0] == 0:  # no local expert was chosen by any received token
+            return rows.new_zeros((r, rows.shape[1]))
+        g = rows.index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k, rows.shape[1])
+        g = g * (table >= 0).to(g.dtype)[:, :, None]
+        return g.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
     def dispatch_bwd(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
@@ -129,9 +141,10 @@ class DeepEPExchange(Exchange):
         d_recv = self._sum_per_token(d_rows, handle)
         d_recv_w = None
         if d_row_weights is not None:
-            d_recv_w = torch.zeros((handle.num_recv_tokens, handle.plan.top_k),
-                                   dtype=torch.float32, device=d_rows.device)
-            d_recv_w[handle.token_of_row, handle.slot_of_row] = d_row_weights.float()
+            table = handle.row_of_slot
+            if d_row_weights.numel() == 0:
+                d_row_weights = d_row_weights.new_zeros(1)
+            d_recv_w = torch.where(table >= 0, d_row_weights.float()[table.clamp(min=0)], 0.0)
         dx, d_w, event = self.buffer.combine(d_recv, handle.deepep_handle, topk_weights=d_recv_w,
                                              config=self.combine_config, async_finish=async_op)
 

@@ -182,18 +182,22 @@ def layer_bench(have_deepep, results, tokens, reps):
                "rows_per_rank": rows.shape[0], "dispatch_gbs": payload / t_cached / 1e6,
                "combine_gbs": payload / t_comb / 1e6}
         if backend == "all_to_all":
-            send = torch.randn(sum(handle.send_splits), 2048, device="cuda",
-                               dtype=torch.bfloat16)
-            recv = torch.empty(sum(handle.recv_splits), 2048, device="cuda",
-                               dtype=torch.bfloat16)
+            # Raw all_to_all_single of the remote rows alone (what crosses NVLink), and of
+            # every row including each rank's own (what a plain implementation sends).
+            full_send = plan.counts.reshape(WORLD, -1).sum(1)
+            full_recv = torch.empty_like(full_send)
+            dist.all_to_all_single(full_recv, full_send)
+            for name, ss, rs in (("raw_remote", handle.send_splits, handle.recv_splits),
+                                 ("raw_all", full_send.tolist(), full_recv.tolist())):
+                send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
+                recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
 
-            def raw():
-                dist.all_to_all_single(recv, send, list(handle.recv_splits),
-                                       list(handle.send_splits))
-            t_raw = timed(raw, reps)
-            row["raw_all_to_all_ms"] = t_raw
-            row["dispatch_vs_raw"] = t_raw / t_cached
-            row["combine_vs_raw"] = t_raw / t_comb
+                def raw():
+                    dist.all_to_all_single(recv, send, list(rs), list(ss))
+                t_raw = timed(raw, reps)
+                row[f"{name}_all_to_all_ms"] = t_raw
+                row[f"dispatch_vs_{name}"] = t_raw / t_cached
+                row[f"combine_vs_{name}"] = t_raw / t_comb
         results["exchange"][backend] = row
         say(f"exchange {backend}: {row}")
 

@@ -43,24 +43,35 @@ class RoutePlan:
 class SortedRowsHandle:
     """Layout of one dispatch over the ``local`` or ``all_to_all`` exchange.
 
-    ``plan``: the route this layout was computed for.
-    ``send_splits`` / ``recv_splits``: rows sent to / received from each rank (host ints;
-    the expert-sorted rows for rank d are contiguous because rank d owns experts
-    [d*E_local, (d+1)*E_local)).
-    ``local_order``: (N,) int64; the received rows arrive grouped by source rank, then
-    expert; ``received[local_order]`` groups them by local expert.
-    ``local_inv``: (N,) int64 inverse of ``local_order``.
-    ``local_offs``: (E_local,) int32 cumulative row ends per local expert (ends at N).
+    ``plan``: the route. Rank d owns experts [d*E_local, (d+1)*E_local), so the
+    expert-sorted rows for rank d are contiguous; this rank's own slice never enters the
+    collective.
+    ``send_splits`` / ``recv_splits``: rows sent to / received from each rank (host ints),
+    0 for this rank itself.
+    ``remote_tokens`` (n_send,) / ``self_tokens`` (n_own,) int64: the token of each sent
+    row and of each own row, in sorted order.
+    ``self_dst`` (n_own,) / ``recv_dst`` (n_recv,) int64: the expert-major position of each
+    own row and of each received row; ``self_dst`` None on one rank (sorted order is then
+    expert order).
+    ``home_order`` (T*k,) int64: for each flattened (token, k) row, its position in
+    [rows returned from other ranks, in sorted order; own rows]; None on one rank.
+    ``local_offs`` (E_local,) int32: cumulative row ends per local expert (ends at N).
     ``num_rows``: N, rows this rank computes.
+    ``flat``: the same layout for inputs with one row per (token, k) (routing weights):
+    its ``remote_tokens``/``self_tokens`` index flattened rows; None inside ``flat``.
     """
 
     plan: RoutePlan
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    local_order: torch.Tensor | None
-    local_inv: torch.Tensor | None
+    remote_tokens: torch.Tensor | None
+    self_tokens: torch.Tensor
+    self_dst: torch.Tensor | None
+    recv_dst: torch.Tensor | None
+    home_order: torch.Tensor | None
     local_offs: torch.Tensor
     num_rows: int
+    flat: SortedRowsHandle | None
 
 
 @attrs.frozen(kw_only=True, eq=False)

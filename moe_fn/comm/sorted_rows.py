@@ -1,9 +1,10 @@
 """Exchanges over expert-sorted (token, k) rows: ``local`` (one rank) and ``all_to_all``.
 
 The home rank sorts its T*k rows by global expert (``RoutePlan.perm``); the rows for rank
-d are then contiguous, so one ``all_to_all_single`` with split sizes moves them. The
-receiver regroups them from (source rank, expert) order to expert order. Combine runs the
-same moves backwards and sums each token's k rows.
+d are then contiguous, so one ``all_to_all_single`` with split sizes moves them. A rank's
+rows for its own experts never enter the collective: they are copied into place while the
+remote rows are in flight. The receiver places every row at its expert-major position
+(``local_offs``). Combine runs the same moves backwards and sums each token's k rows.
 """
 
 from __future__ import annotations
@@ -15,29 +16,18 @@ from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
 
 
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.index_select(0, index)
-
-
-def _sum_over_k(sorted_rows: torch.Tensor, plan) -> torch.Tensor:
-    """out[t] = sum_j sorted_rows[inv_perm[t*k + j]]: each token's k expert-sorted rows.
-
-    A gather and a sum over k (accumulated in float32 for half types): no atomics, so the
-    result is the same on every run and device."""
-    t, k, h = plan.num_tokens, plan.top_k, sorted_rows.shape[-1]
-    tk = _gather_rows(sorted_rows, plan.inv_perm).reshape(t, k, h)
-    acc = torch.float64 if tk.dtype == torch.float64 else torch.float32
-    return tk.sum(dim=1, dtype=acc).to(sorted_rows.dtype)
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Index that turns rows received in (source, expert) order into (expert, source) order.
+    """For each expert-major position, the position of that row in (source, expert) order.
 
     ``recv_counts``: (ep, E_local) rows from each source for each local expert.
     """
     ep, e_local = recv_counts.shape
     dev = recv_counts.device
-    src_start = (torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten())
+    src_start = torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten()
     by_expert = recv_counts.t().flatten()  # block (e, s) in expert-major order
     dst_start = torch.cumsum(by_expert, 0) - by_expert
     block = torch.repeat_interleave(torch.arange(ep * e_local, device=dev), by_expert,
@@ -54,9 +44,9 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 class SortedRowsExchange(Exchange):
-    """Shared moves of the local and all-to-all exchanges; ``_exchange`` is the transport."""
+    """The moves shared by the local and all-to-all exchanges; ``_exchange`` is transport."""
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
@@ -66,31 +56,60 @@ class SortedRowsExchange(Exchange):
         self.counters["layout"] += 1
         return self._layout_counts(plan)
 
-    # ---- dispatch: token rows -> expert rows ----------------------------------------------
-    def _to_experts(self, sorted_rows, handle, *, async_op=False):
-        recv, work = self._exchange(sorted_rows, handle.send_splits, handle.recv_splits,
-                                    async_op=async_op)
+    # ---- the two moves ---------------------------------------------------------------------
+    def _to_experts(self, token_rows, h: SortedRowsHandle, *, async_op=False):
+        """Token rows ``(T, D)`` -> expert rows ``(N, D)``; returns ``finish() -> rows``."""
+        own = token_rows.index_select(0, h.self_tokens)
+        if h.self_dst is None:  # one rank: sorted order is expert order
+            return lambda: own
+        remote, work = self._exchange(token_rows.index_select(0, h.remote_tokens),
+                                      h.send_splits, h.recv_splits, async_op=async_op)
+        out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
+        out.index_copy_(0, h.self_dst, own)  # overlaps the remote rows' flight
 
         def finish():
-            return recv if handle.local_order is None else _gather_rows(recv, handle.local_order)
-        return finish, work
+            if work is not None:
+                work.wait()
+            return out.index_copy_(0, h.recv_dst, remote)
+        return finish
 
-    def _to_home(self, expert_rows, handle, *, async_op=False):
-        src_major = (expert_rows if handle.local_inv is None
-                     else _gather_rows(expert_rows, handle.local_inv))
-        return self._exchange(src_major, handle.recv_splits, handle.send_splits,
-                              async_op=async_op)
+    def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
+        """Expert rows ``(N, D)`` -> the home rank's rows in (token, k) order, ``(T*k, D)``;
+        returns ``finish() -> rows``."""
+        if h.self_dst is None:
+            return lambda: expert_rows.index_select(0, h.plan.inv_perm)
+        n_remote = sum(h.send_splits)
+        # [remote rows as they return; own rows], then one gather puts them in (t, k) order.
+        buf = expert_rows.new_empty((h.home_order.numel(), *expert_rows.shape[1:]))
+        _, work = self._exchange(expert_rows.index_select(0, h.recv_dst), h.recv_splits,
+                                 h.send_splits, async_op=async_op, out=buf[:n_remote])
+        torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_remote:])
 
+        def finish():
+            if work is not None:
+                work.wait()
+            return buf.index_select(0, h.home_order)
+        return finish
+
+    @staticmethod
+    def _sum_over_k(rows_tk, plan) -> torch.Tensor:
+        """Each token's k rows summed (float32 accumulation for half types): a reduction
+        over a reshaped view, no atomics, the same result on every run."""
+        t, k = plan.num_tokens, plan.top_k
+        tk = rows_tk.reshape(t, k, rows_tk.shape[-1])
+        return tk.sum(dim=1, dtype=_acc_dtype(tk.dtype)).to(rows_tk.dtype)
+
+    # ---- dispatch: token rows -> expert rows -----------------------------------------------
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
         # The layout already is the handle: split sizes fix everything the dispatch needs.
-        plan = handle.plan
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
-        finish_rows, _ = self._to_experts(_gather_rows(x, plan.token_of_sorted), handle)
-        rows = finish_rows()
-        row_weights = None
+        finish_w = None
         if weights is not None:
-            finish_w, _ = self._to_experts(weights.reshape(-1, 1)[plan.perm], handle)
-            row_weights = finish_w().reshape(-1)
+            # (T, k) weights ride as (T*k, 1) "rows" indexed by flattened (token, k) row.
+            finish_w = self._to_experts(weights.reshape(-1, 1), _flat_rows(handle),
+                                        async_op=True)
+        rows = self._to_experts(x, handle, async_op=True)()
+        row_weights = None if finish_w is None else finish_w().reshape(-1)
         return rows, row_weights, handle
 
     def dispatch_bwd(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
@@ -98,20 +117,16 @@ class SortedRowsExchange(Exchange):
         """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
-        home, work = self._to_home(d_rows, handle, async_op=async_op)
-        home_w = work_w = None
+        finish_rows = self._to_home(d_rows, handle, async_op=async_op)
+        finish_w = None
         if d_row_weights is not None:
-            home_w, work_w = self._to_home(d_row_weights.reshape(-1, 1), handle,
-                                           async_op=async_op)
+            finish_w = self._to_home(d_row_weights.reshape(-1, 1), handle, async_op=async_op)
 
         def finish():
-            for w in (work, work_w):
-                if w is not None:
-                    w.wait()
-            dx = _sum_over_k(home, plan)
+            dx = self._sum_over_k(finish_rows(), plan)
             d_w = None
-            if home_w is not None:
-                d_w = home_w.reshape(-1)[plan.inv_perm].reshape(plan.num_tokens, plan.top_k)
+            if finish_w is not None:
+                d_w = finish_w().reshape(plan.num_tokens, plan.top_k)
             return dx, d_w
 
         pending = Pending(finish)
@@ -120,15 +135,18 @@ class SortedRowsExchange(Exchange):
     # ---- combine: expert rows -> token rows, summed over k ---------------------------------
     def combine_fwd(self, rows, handle: SortedRowsHandle):
         self.counters["combine"] += 1
-        plan = handle.plan
-        home, _ = self._to_home(rows, handle)
-        return _sum_over_k(home, plan), handle
+        return self._sum_over_k(self._to_home(rows, handle, async_op=True)(), handle.plan), \
+            handle
 
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
         self.counters["combine_backward"] += 1
-        finish, _ = self._to_experts(_gather_rows(d_out, handle.plan.token_of_sorted), handle)
-        return finish()
+        return self._to_experts(d_out, handle, async_op=True)()
+
+
+def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:
+    """The handle's moves re-indexed for (T*k, ...) inputs with one row per (token, k)."""
+    return h.flat
 
 
 class LocalExchange(SortedRowsExchange):
@@ -139,14 +157,23 @@ class LocalExchange(SortedRowsExchange):
     def __init__(self, *, num_experts: int):
         super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False):
-        return rows, None
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
+        raise AssertionError("the local exchange moves nothing between ranks")
 
     def _layout_counts(self, plan):
         n = plan.perm.numel()
         offs = torch.cumsum(plan.counts, 0).to(torch.int32)
-        return SortedRowsHandle(plan=plan, send_splits=(n,), recv_splits=(n,), local_order=None,
-                                local_inv=None, local_offs=offs, num_rows=n)
+        return _make_handle(plan, send_splits=(0,), recv_splits=(0,), remote_tokens=None,
+                            self_tokens=plan.token_of_sorted, self_flat=plan.perm,
+                            self_dst=None, recv_dst=None, home_order=None, local_offs=offs,
+                            num_rows=n)
+
+
+def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=None, **kw):
+    flat = SortedRowsHandle(plan=plan, self_tokens=self_flat, remote_tokens=remote_flat,
+                            flat=None, **kw)
+    return SortedRowsHandle(plan=plan, self_tokens=self_tokens, remote_tokens=remote_tokens,
+                            flat=flat, **kw)
 
 
 class AllToAllExchange(SortedRowsExchange):
@@ -162,24 +189,46 @@ class AllToAllExchange(SortedRowsExchange):
         super().__init__(num_experts=num_experts, ep_size=ep, rank=dist.get_rank(group),
                          group=group)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         rows = rows.contiguous()
-        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        if out is None:
+            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
         work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
                                       group=self.group, async_op=async_op)
         return out, work
 
     def _layout_counts(self, plan):
-        ep, e_local = self.ep_size, self.num_local_experts
+        ep, e_local, r = self.ep_size, self.num_local_experts, self.rank
         send_counts = plan.counts.reshape(ep, e_local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
         # One host sync for both split vectors: the row all-to-all needs them as ints.
         splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        send_splits, recv_splits = tuple(splits[:ep]), tuple(splits[ep:])
+        send_splits, recv_splits = list(splits[:ep]), list(splits[ep:])
         n = sum(recv_splits)
-        order = _expert_major_order(recv_counts, n)
-        offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
-        return SortedRowsHandle(plan=plan, send_splits=send_splits, recv_splits=recv_splits,
-                                local_order=order, local_inv=_inverse(order), local_offs=offs,
-                                num_rows=n)
+        dev = plan.perm.device
+        # Home side: own slice [a, b) of the sorted rows stays; the rest is sent.
+        a = sum(send_splits[:r])
+        b = a + send_splits[r]
+        keep = torch.ones(plan.perm.numel(), dtype=torch.bool, device=dev)
+        keep[a:b] = False
+        sorted_pos = plan.inv_perm  # flattened (t, j) -> sorted position
+        n_remote_home = plan.perm.numel() - (b - a)
+        home_order = torch.where(sorted_pos < a, sorted_pos,
+                                 torch.where(sorted_pos >= b, sorted_pos - (b - a),
+                                             n_remote_home + sorted_pos - a))
+        # Expert side: where each received row (and each own row) sits in expert order.
+        dst_of_src = _inverse(_expert_major_order(recv_counts, n))
+        sa = sum(recv_splits[:r])
+        sb = sa + recv_splits[r]
+        src = torch.arange(n, device=dev)
+        remote_src = src[(src < sa) | (src >= sb)]
+        own_rows = send_splits[r]
+        send_splits[r] = recv_splits[r] = 0
+        return _make_handle(
+            plan, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
+            remote_tokens=plan.token_of_sorted[keep], remote_flat=plan.perm[keep],
+            self_tokens=plan.token_of_sorted[a:b], self_flat=plan.perm[a:b],
+            self_dst=dst_of_src[sa:sa + own_rows], recv_dst=dst_of_src[remote_src],
+            home_order=home_order, local_offs=torch.cumsum(recv_counts.sum(0), 0).to(
+                torch.int32), num_rows=n)

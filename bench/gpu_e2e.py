@@ -1,0 +1,451 @@
+"""End-to-end training steps of a Qwen3-MoE-like model converted by moe_fn.hf.convert.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 bench/gpu_e2e.py \
+        --out $OUT/e2e.json
+    python bench/gpu_e2e.py --single --out $OUT/e2e_single.json
+    python -m torch.distributed.run --standalone --nproc_per_node=2 bench/gpu_e2e.py \
+        --tiny --device cpu --out /tmp/e2e.json        # the logic, on CPUs over gloo
+
+Model (from a config, random weights, no download): 4 layers, hidden 2048, 16 heads of 128
+with 4 KV heads, 128 experts top-8 of moe_intermediate 768, vocab 32000, sequence 4096,
+micro-batch 1 per rank, bf16, AdamW (foreach), HF gradient checkpointing (use_reentrant=True).
+
+EP mode (torchrun, NCCL; every rank holds E/ep experts and the replicated dense weights;
+each rank trains on its own tokens, the dense gradients are not all-reduced, which costs
+every arm alike): one model + optimizer per arm, all built from the same initial weights:
+``off`` (separate gate+up, eager weighting and combine, no overlap, no skip), each option
+alone (``fused_gate_up``, ``overlap`` with comm_num_sm 20, ``skip``, ``fused_weighting`` =
+fused row weighting and combine), and ``all_on``. Arms run round-robin (one step of each
+arm, then the next step) so clock and thermal drift hit every arm alike; every arm sees the
+same batches. Per arm: the median step time (CUDA events around zero_grad + forward +
+backward + optimizer step, max over ranks), the peak memory of its steps, and every step's
+loss (mean over ranks): step 1 losses agree across arms up to bf16 rounding.
+
+``--single`` (one GPU, no torchrun): the unconverted model with transformers' grouped_mm
+experts against the converted model on the local backend (every ep-1 option on), same
+harness.
+
+An arm that runs out of memory is recorded as such and dropped (building it, or during a
+step: the whole round is then checked across ranks). Results are rewritten to the JSON
+after every phase, so a run cut short still leaves what it measured; a PNG of the step
+times goes beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_fn.hf import convert
+
+RANK, WORLD = 0, 1
+
+FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+            decoder_sparse_step=1, mlp_only_layers=[])
+TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=256)
+
+OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
+           overlap_weight_grad=False, skip_recompute_combine=False)
+
+
+def ep_arms(comm_num_sm: int, deepep: bool) -> dict[str, dict]:
+    fused_combine = "eager" if deepep else "fused"  # DeepEP combines in its own kernels
+    arms = {
+        "off": OFF,
+        "fused_gate_up": OFF | dict(gate_up_impl="fused"),
+        "overlap": OFF | dict(overlap_weight_grad=True, comm_num_sm=comm_num_sm),
+        "skip": OFF | dict(skip_recompute_combine=True),
+        "fused_weighting": OFF | dict(row_weighting_impl="fused", combine_impl=fused_combine),
+        "all_on": dict(gate_up_impl="fused", row_weighting_impl="fused",
+                       combine_impl=fused_combine, overlap_weight_grad=True,
+                       comm_num_sm=comm_num_sm, skip_recompute_combine=True),
+    }
+    if deepep:
+        arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
+    return arms
+
+
+SINGLE_ON = dict(gate_up_impl="fused", row_weighting_impl="fused", combine_impl="fused",
+                 skip_recompute_combine=True)
+
+
+def say(*a):
+    if RANK == 0:
+        print(*a, flush=True)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def all_ok(ok: bool, device) -> bool:
+    """Whether every rank is ok (a collective: every rank must call it)."""
+    if WORLD == 1:
+        return ok
+    t = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() == 0.0
+
+
+def reduce_max(x: float, device) -> float:
+    if WORLD == 1:
+        return x
+    t = torch.tensor([x], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def reduce_mean(x: float, device) -> float:
+    if WORLD == 1:
+        return x
+    t = torch.tensor([x], device=device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / WORLD
+
+
+def build_reference(args, device, dtype):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**(TINY if args.tiny else FULL))
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(args.seed)  # same seed on every rank: replicated initial weights
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def make_arm(ref, options, *, convert_it: bool, ep: int, group, foreach: bool):
+    model = copy.deepcopy(ref)
+    if convert_it:
+        convert(model, process_group=group, ep_size=ep, **options)
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=foreach)
+    return model, opt
+
+
+def batches(args, n: int, vocab: int, seq: int, device):
+    """Step i's tokens on this rank: the same for every arm, different per rank."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * i + RANK)
+        out.append(torch.randint(0, vocab, (args.micro_batch, seq), generator=g).to(device))
+    return out
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.s = torch.cuda.Event(enable_timing=True)
+            self.e = torch.cuda.Event(enable_timing=True)
+            self.s.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        if self.cuda:
+            self.e.record()
+            torch.cuda.synchronize()
+            self.ms = self.s.elapsed_time(self.e)
+        else:
+            self.ms = 1e3 * (time.perf_counter() - self.t0)
+        return False
+
+
+def step(model, opt, ids, device):
+    """One training step; returns (ms on this rank, loss on this rank)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with Timer(device) as t:
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        opt.step()
+    return t.ms, out.loss.item()
+
+
+def run_arms(args, arms: dict, refs: list, device, group, results, out_path):
+    """Build every arm from ``refs.pop()`` (the initial model, freed once every arm is
+    built), then run them round-robin; fills ``results['arms']``."""
+    ep = WORLD
+    ref = refs.pop()
+    res = results["arms"]
+    live = {}
+    for name, (options, convert_it) in arms.items():
+        res[name] = {"options": options, "converted": convert_it, "status": "ok",
+                     "losses": [], "step_ms": []}
+        err = None
+        try:
+            live[name] = make_arm(ref, options, convert_it=convert_it, ep=ep, group=group,
+                                  foreach=device.type == "cuda")
+        except Exception as e:  # OOM is recorded, anything else raised
+            if not is_oom(e):
+                raise
+            err = e
+        if not all_ok(err is None, device):
+            res[name]["status"] = f"OOM building: {err}" if err else "OOM on another rank"
+            live.pop(name, None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        say(f"built {name}: {res[name]['status']}  options {options}")
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        results["memory_after_build_gb"] = torch.cuda.memory_allocated() / 2**30
+    vocab = (TINY if args.tiny else FULL)["vocab_size"]
+    seq = args.seq
+    total = args.warmup + args.steps
+    data = batches(args, total, vocab, seq, device)
+    for i in range(total):
+        for name in list(live):
+            model, opt = live[name]
+            err = None
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                ms, loss = step(model, opt, data[i], device)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                err, ms, loss = e, float("nan"), float("nan")
+            if not all_ok(err is None, device):
+                res[name]["status"] = (f"OOM at step {i + 1}: {err}" if err
+                                       else f"OOM at step {i + 1} on another rank")
+                del live[name], model, opt
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                say(f"{name}: {res[name]['status']}")
+                continue
+            res[name]["losses"].append(reduce_mean(loss, device))
+            res[name]["step_ms"].append(reduce_max(ms, device))
+            if device.type == "cuda":
+                peak = reduce_max(torch.cuda.max_memory_allocated() / 2**30, device)
+                res[name]["peak_gb"] = max(res[name].get("peak_gb", 0.0), peak)
+        if i + 1 in (1, args.warmup, total) or (i + 1) % 10 == 0:
+            say(f"step {i + 1}/{total}: " + ", ".join(
+                f"{n} {res[n]['step_ms'][-1]:.1f} ms loss {res[n]['losses'][-1]:.4f}"
+                for n in live))
+            summarise(args, results)
+            write(results, out_path)
+    return results
+
+
+def summarise(args, results):
+    arms = results["arms"]
+    for r in arms.values():
+        timed = r["step_ms"][args.warmup:]
+        r["median_ms"] = statistics.median(timed) if timed else None
+        r["timed_steps"] = len(timed)
+    first = [r["losses"][0] for r in arms.values() if r["losses"]]
+    results["step1_loss_spread"] = max(first) - min(first) if first else None
+    n = min((len(r["losses"]) for r in arms.values() if r["losses"]), default=0)
+    results["loss_spread_per_step"] = [
+        max(r["losses"][i] for r in arms.values() if r["losses"])
+        - min(r["losses"][i] for r in arms.values() if r["losses"]) for i in range(n)]
+    base = arms.get(results["baseline"], {}).get("median_ms")
+    for r in arms.values():
+        r["speedup_vs_baseline"] = (base / r["median_ms"]
+                                    if base and r.get("median_ms") else None)
+
+
+def write(results, out_path):
+    if RANK == 0 and out_path:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def plot(results, png_path):
+    if RANK != 0 or not png_path:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        say(f"no plot: {e}")
+        return
+    arms = results["arms"]
+    names = [n for n, r in arms.items() if r.get("median_ms")]
+    if not names:
+        return
+    warm = results["warmup"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    meds = [arms[n]["median_ms"] for n in names]
+    bars = ax1.bar(names, meds, color="tab:blue")
+    for b, n in zip(bars, names):
+        sp = arms[n].get("speedup_vs_baseline")
+        ax1.annotate(f"{b.get_height():.1f}" + (f"\n{sp:.3f}x" if sp else ""),
+                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                     va="bottom", fontsize=8)
+    ax1.margins(y=0.15)
+    ax1.set_ylabel("median step time (ms)")
+    ax1.set_title(f"{results['mode']}: median of {results['steps']} steps")
+    ax1.tick_params(axis="x", rotation=30)
+    for n in names:
+        ys = arms[n]["step_ms"][warm:]
+        ax2.plot(range(warm + 1, warm + 1 + len(ys)), ys, marker=".", label=n)
+    ax2.set_xlabel("step (after warm-up)")
+    ax2.set_ylabel("step time (ms)")
+    ax2.set_title("every timed step (round-robin over arms)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(results["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    say(f"wrote {png_path}")
+
+
+def out_paths(out: str | None, single: bool) -> tuple[str | None, str | None]:
+    if not out:
+        return None, None
+    if out.endswith(".json"):
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        return out, out[:-5] + ".png"
+    os.makedirs(out, exist_ok=True)
+    stem = "e2e_single" if single else "e2e"
+    return os.path.join(out, stem + ".json"), os.path.join(out, stem + ".png")
+
+
+def environment(device) -> dict:
+    import platform
+
+    import transformers
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "world": WORLD,
+           "device": (torch.cuda.get_device_name() if device.type == "cuda" else "cpu")}
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="JSON path (PNG beside it) or a directory")
+    ap.add_argument("--single", action="store_true",
+                    help="one GPU: transformers grouped_mm vs converted (local backend)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps per arm")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per arm")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (4096; tiny 64)")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--comm-num-sm", type=int, default=20)
+    ap.add_argument("--comm", choices=("all_to_all", "deepep"), default="all_to_all")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (logic check)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = ap.parse_args(argv)
+    if args.seq is None:
+        args.seq = 64 if args.tiny else 4096
+    return args
+
+
+def main(argv=None):
+    global RANK, WORLD
+    args = parse_args(argv)
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.single and distributed:
+        raise SystemExit("--single runs on one process: start it without torchrun")
+    if not args.single and not distributed:
+        raise SystemExit("EP mode needs torchrun with --nproc_per_node >= 2 (or pass --single)")
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dtype = torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get(
+            "LOCAL_WORLD_SIZE", "1"))))
+    group = None
+    if distributed:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        RANK, WORLD = dist.get_rank(), dist.get_world_size()
+        group = dist.group.WORLD
+    json_path, png_path = out_paths(args.out, args.single)
+    warnings.filterwarnings("ignore", message="Setting the SM carveout")
+
+    if args.single:
+        arms = {"hf_grouped_mm": ({}, False), "moe_fn_local": (SINGLE_ON, True)}
+        baseline = "hf_grouped_mm"
+    else:
+        arms = {k: (v, True) for k, v in
+                ep_arms(args.comm_num_sm, args.comm == "deepep").items()}
+        baseline = "off"
+    if args.arms:
+        keep = args.arms.split(",")
+        unknown = set(keep) - set(arms)
+        if unknown:
+            raise SystemExit(f"unknown arms {sorted(unknown)}; arms are {list(arms)}")
+        arms = {k: arms[k] for k in keep}
+        baseline = baseline if baseline in arms else keep[0]
+    cfg = TINY if args.tiny else FULL
+    mode = (f"single {'GPU' if device.type == 'cuda' else 'CPU'}" if args.single
+            else f"EP{WORLD} {args.comm}")
+    results = {
+        "env": environment(device), "mode": mode, "model": cfg, "seq": args.seq,
+        "micro_batch": args.micro_batch, "dtype": str(dtype), "warmup": args.warmup,
+        "steps": args.steps, "baseline": baseline, "round_robin": True,
+        "gradient_checkpointing": "HF, use_reentrant=True", "optimizer": "AdamW foreach",
+        "dense_grad_allreduce": False, "arms": {},
+        "title": (f"Qwen3-MoE-like {cfg['num_hidden_layers']}L H{cfg['hidden_size']} "
+                  f"E{cfg['num_experts']} top{cfg['num_experts_per_tok']} "
+                  f"I{cfg['moe_intermediate_size']}, seq {args.seq} x {args.micro_batch}/rank, "
+                  f"{mode}, {dtype}, reentrant HF checkpointing, AdamW"),
+    }
+    say(results["title"])
+    t0 = time.perf_counter()
+    ref = build_reference(args, device, dtype)
+    say(f"reference model built in {time.perf_counter() - t0:.1f} s: "
+        f"{sum(p.numel() for p in ref.parameters()) / 1e9:.2f} B parameters")
+    refs = [ref]
+    del ref
+    try:
+        run_arms(args, arms, refs, device, group, results, json_path)
+    finally:
+        summarise(args, results)
+        results["wall_s"] = time.perf_counter() - t0
+        write(results, json_path)
+    rows = [(n, r) for n, r in results["arms"].items()]
+    say(f"\n{'arm':<16} {'median ms':>10} {'speedup':>8} {'peak GB':>8} "
+        f"{'loss step 1':>12} {'loss last':>10}  status")
+    for n, r in rows:
+        med, sp = r.get("median_ms"), r.get("speedup_vs_baseline")
+        say(f"{n:<16} {med if med is not None else float('nan'):>10.2f} "
+            f"{sp if sp is not None else float('nan'):>8.3f} {r.get('peak_gb', 0.0):>8.2f} "
+            f"{(r['losses'] or [float('nan')])[0]:>12.5f} "
+            f"{(r['losses'] or [float('nan')])[-1]:>10.5f}  {r['status']}")
+    say(f"step-1 loss spread across arms: {results['step1_loss_spread']}; "
+        f"wall {results['wall_s']:.0f} s")
+    plot(results, png_path)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
 
@@ -44,7 +45,13 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 class SortedRowsExchange(Exchange):
-    """The moves shared by the local and all-to-all exchanges; ``_exchange`` is transport."""
+    """The moves shared by the local and all-to-all exchanges; ``_exchange`` is transport.
+
+    ``fused_combine`` (``combine_impl="fused"``) sums each token's k returning rows with the
+    one-pass gather-sum kernel instead of a gather and a reduction.
+    """
+
+    fused_combine = False
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         raise NotImplementedError
@@ -74,12 +81,12 @@ class SortedRowsExchange(Exchange):
         return finish
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
-        """Expert rows ``(N, D)`` -> the home rank's rows in (token, k) order, ``(T*k, D)``;
-        returns ``finish() -> rows``."""
+        """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order)`` where
+        ``src[order]`` are the home rank's rows in (token, k) order, ``(T*k, D)``."""
         if h.self_dst is None:
-            return lambda: expert_rows.index_select(0, h.plan.inv_perm)
+            return lambda: (expert_rows, h.plan.inv_perm)
         n_remote = sum(h.send_splits)
-        # [remote rows as they return; own rows], then one gather puts them in (t, k) order.
+        # [remote rows as they return; own rows]: one later gather puts them in (t, k) order.
         buf = expert_rows.new_empty((h.home_order.numel(), *expert_rows.shape[1:]))
         _, work = self._exchange(expert_rows.index_select(0, h.recv_dst), h.recv_splits,
                                  h.send_splits, async_op=async_op, out=buf[:n_remote])
@@ -88,16 +95,17 @@ class SortedRowsExchange(Exchange):
         def finish():
             if work is not None:
                 work.wait()
-            return buf.index_select(0, h.home_order)
+            return buf, h.home_order
         return finish
 
-    @staticmethod
-    def _sum_over_k(rows_tk, plan) -> torch.Tensor:
-        """Each token's k rows summed (float32 accumulation for half types): a reduction
-        over a reshaped view, no atomics, the same result on every run."""
+    def _sum_home(self, src, order, plan) -> torch.Tensor:
+        """Each token's k rows ``src[order]`` summed (float32 accumulation), with no atomics:
+        one fused gather-and-sum kernel, or a gather and a reduction over a reshaped view."""
+        if self.fused_combine:
+            return kernels.gather_sum_fwd(src, order, plan.top_k)[0]
         t, k = plan.num_tokens, plan.top_k
-        tk = rows_tk.reshape(t, k, rows_tk.shape[-1])
-        return tk.sum(dim=1, dtype=_acc_dtype(tk.dtype)).to(rows_tk.dtype)
+        tk = src.index_select(0, order).reshape(t, k, src.shape[-1])
+        return tk.sum(dim=1, dtype=_acc_dtype(tk.dtype)).to(src.dtype)
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
@@ -123,10 +131,11 @@ class SortedRowsExchange(Exchange):
             finish_w = self._to_home(d_row_weights.reshape(-1, 1), handle, async_op=async_op)
 
         def finish():
-            dx = self._sum_over_k(finish_rows(), plan)
+            dx = self._sum_home(*finish_rows(), plan)
             d_w = None
             if finish_w is not None:
-                d_w = finish_w().reshape(plan.num_tokens, plan.top_k)
+                src, order = finish_w()
+                d_w = src.index_select(0, order).reshape(plan.num_tokens, plan.top_k)
             return dx, d_w
 
         pending = Pending(finish)
@@ -135,8 +144,8 @@ class SortedRowsExchange(Exchange):
     # ---- combine: expert rows -> token rows, summed over k ---------------------------------
     def combine_fwd(self, rows, handle: SortedRowsHandle):
         self.counters["combine"] += 1
-        return self._sum_over_k(self._to_home(rows, handle, async_op=True)(), handle.plan), \
-            handle
+        src, order = self._to_home(rows, handle, async_op=True)()
+        return self._sum_home(src, order, handle.plan), handle
 
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
@@ -154,8 +163,9 @@ class LocalExchange(SortedRowsExchange):
 
     backend = "local"
 
-    def __init__(self, *, num_experts: int):
+    def __init__(self, *, num_experts: int, fused_combine: bool = False):
         super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
+        self.fused_combine = fused_combine
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         raise AssertionError("the local exchange moves nothing between ranks")
@@ -181,7 +191,8 @@ class AllToAllExchange(SortedRowsExchange):
 
     backend = "all_to_all"
 
-    def __init__(self, *, num_experts: int, group=None):
+    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
+        self.fused_combine = fused_combine
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
                                "(dist.init_process_group) before the layer is built")

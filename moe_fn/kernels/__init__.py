@@ -21,6 +21,7 @@ from . import _registry  # noqa: F401  (registers the ops)
 from ._registry import use_triton
 
 __all__ = [
+    "gather_sum_fwd",
     "RowWeightRes",
     "SwigluPackedRes",
     "SwigluRes",
@@ -77,3 +78,11 @@ def row_weight_bwd(res: RowWeightRes, d_out, *, needs=(True, True)):
     d_rows, d_w = _ops.row_weight_bwd(res.rows, res.weights, d_out, bool(needs[0]),
                                       bool(needs[1]))
     return (d_rows if needs[0] else None), (d_w if needs[1] else None)
+
+
+def gather_sum_fwd(rows, index, top_k: int):
+    """``out[t] = sum_j rows[index[t*k + j]]`` in one pass (the fused combine)."""
+    from ..pure.dispatch import GatherSumRes
+
+    out = _ops.gather_sum(rows, index, int(top_k))
+    return out, GatherSumRes(index, rows.shape[0], int(top_k))

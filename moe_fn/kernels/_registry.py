@@ -14,6 +14,7 @@ the op schema.)
 import torch
 
 from ..pure import activations as _pa
+from ..pure import dispatch as _pd
 from ..pure import row_weight as _pr
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -190,3 +191,24 @@ def _(rows, weights, d_out, need_rows, need_weights):
     dx = rows.new_empty(rows.shape) if need_rows else _empty(rows)
     dw = weights.new_empty(weights.shape) if need_weights else _empty(weights)
     return dx, dw
+
+
+# ----------------------------------------------------------------------------- gather_sum
+
+
+@torch.library.custom_op("moe_fn::gather_sum", mutates_args=())
+def gather_sum_op(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
+    if index.dim() != 1 or index.numel() % top_k:
+        raise ValueError(f"index must be 1-D with a multiple of top_k={top_k} entries, got "
+                         f"shape {tuple(index.shape)}")
+    if use_triton(rows):
+        from . import gather_sum
+
+        return gather_sum.launch_gather_sum(rows, index, top_k)
+    out, _ = _pd.gather_sum_fwd(rows, index, top_k)
+    return out.contiguous()
+
+
+@gather_sum_op.register_fake
+def _(rows, index, top_k):
+    return rows.new_empty((index.shape[0] // top_k, rows.shape[1]))

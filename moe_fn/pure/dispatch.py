@@ -216,3 +216,29 @@ def combine_sum_bwd(res: CombineSumRes, d_out, *, needs=(True,)):
         return None
     t, k = res.num_tokens, res.top_k
     return d_out[:, None, :].expand(t, k, d_out.shape[-1]).reshape(t * k, d_out.shape[-1])
+
+
+class GatherSumRes(NamedTuple):
+    index: torch.Tensor
+    num_rows: int
+    top_k: int
+
+
+def gather_sum_fwd(rows, index, top_k: int):
+    """``out[t] = sum_j rows[index[t*k + j]]`` (float32 accumulation for half types):
+    unpermute and the sum over k in one step. ``rows (N, H)``, ``index (T*k,)`` int64."""
+    _check_top_k(top_k)
+    t = index.numel() // top_k
+    g = rows.index_select(0, index).reshape(t, top_k, rows.shape[-1])
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    out = g.sum(dim=1, dtype=acc).to(rows.dtype)
+    return out, GatherSumRes(index, rows.shape[0], top_k)
+
+
+# d_rows[index[t*k + j]] += d_out[t].
+def gather_sum_bwd(res: GatherSumRes, d_out, *, needs=(True,)):
+    if not needs[0]:
+        return (None,)
+    src = d_out.repeat_interleave(res.top_k, dim=0)
+    d_rows = d_out.new_zeros((res.num_rows, d_out.shape[-1]))
+    return (d_rows.index_add(0, res.index, src),)

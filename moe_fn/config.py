@@ -40,7 +40,11 @@ class MoEConfig:
     ``activation_alpha``/``activation_limit``; None = the activation's default),
     ``gate_up_layout`` and ``gate_up_impl``. Where routing weights apply: ``score_apply``
     ("post" after the experts, "pre" on their input rows, "activation" folded into the
-    activation). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
+    activation). Biases (GPT-OSS): ``router_bias`` adds a learned ``(E,)`` bias to the
+    router logits; ``expert_bias`` adds ``gate_up_proj_bias (E, 2I)`` after gate+up and
+    ``down_proj_bias (E, H)`` after down, inside each expert, and needs
+    ``score_apply="post"`` (the routing weight scales the whole expert output, down bias
+    included). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
     communication kernels use and that overlapped GEMMs leave free).
     """
 
@@ -60,6 +64,8 @@ class MoEConfig:
     group_score: str = "top2_sum"
     score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    expert_bias: bool = False
     score_apply: str = "post"
     row_weighting_impl: str = "eager"
     combine_impl: str = "eager"
@@ -86,8 +92,8 @@ class MoEConfig:
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
-        for name in ("norm_topk_prob", "score_correction_bias", "overlap_weight_grad",
-                     "skip_recompute_combine"):
+        for name in ("norm_topk_prob", "score_correction_bias", "router_bias", "expert_bias",
+                     "overlap_weight_grad", "skip_recompute_combine"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_groups()
@@ -137,6 +143,12 @@ class MoEConfig:
                 raise ValueError("DeepEP supports at most 128 experts per rank; raise ep_size")
 
     def _check_weighting(self):
+        if self.expert_bias and self.score_apply != "post":
+            raise ValueError(
+                f"expert_bias needs score_apply='post', got {self.score_apply!r}: the routing "
+                "weight multiplies the whole expert output, down_proj_bias included (GPT-OSS); "
+                "'activation' would leave the down bias unweighted and 'pre' would weight the "
+                "input instead of the output")
         # Routing weights are applied on the expert side (before a plain-sum combine), so
         # the combine's backward never needs the combine's forward output.
         if self.combine_impl == "fused" and self.comm_backend == "deepep":

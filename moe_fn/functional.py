@@ -85,7 +85,8 @@ def row_weight(rows, weights):
     return RowWeight.apply(rows, weights)
 
 
-def _check_experts_args(x, gate_up_proj, down_proj, weights):
+def _check_experts_args(x, gate_up_proj, down_proj, weights, gate_up_bias=None,
+                        down_bias=None):
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("down_proj", down_proj, ndim=3, dtypes=FLOAT_DTYPES)
@@ -107,24 +108,44 @@ def _check_experts_args(x, gate_up_proj, down_proj, weights):
         )
     check_same("x, gate_up_proj and down_proj", x, gate_up_proj, down_proj)
     _check_weights(weights, n, x)
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (e, two_i)),
+                              ("down_bias", down_bias, (e, h))):
+        if bias is None:
+            continue
+        check_tensor(name, bias, ndim=2, dtypes=FLOAT_DTYPES)
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be {shape} to match gate_up_proj "
+                             f"{tuple(gate_up_proj.shape)}, got {tuple(bias.shape)}")
+        check_same(f"x and {name}", x, bias)
 
 
 def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_impl="fused",
-            layout="halves", alpha=None, limit=None, weights=None, weight_grad_slot=None):
-    """The expert MLP ``y = down(act(gate_up(x)) [* weights])``, rows grouped by expert.
+            layout="halves", alpha=None, limit=None, weights=None, gate_up_bias=None,
+            down_bias=None, weight_grad_slot=None):
+    """The expert MLP ``y = down(act(gate_up(x) [+ gate_up_bias]) [* weights]) [+ down_bias]``,
+    rows grouped by expert.
 
     x ``(N, H)``, gate_up_proj ``(E, 2I, H)`` packed per ``layout``, down_proj
     ``(E, H, I)``, offs ``(E,)`` int32 ending at N, weights ``(N,)`` or None -> ``(N, H)``.
+    The weights may be views of other storage: GPT-OSS's ``(E, H, 2I)`` / ``(E, I, H)``
+    parameters passed as ``.transpose(1, 2)`` are used as they are (no copy) and their
+    gradients flow back through the view.
+    gate_up_bias ``(E, 2I)`` (packed as the weight) and down_bias ``(E, H)``: per-expert
+    biases (GPT-OSS) or None; the down bias is added after the down projection, so
+    ``weights`` (folded into the activation) do not scale it — to weight the whole expert
+    output, weight the result (MoELayer's score_apply="post").
     gate_up_impl: "fused" (one GEMM over the packed weight, packed activation) or
     "separate" (two GEMMs over its halves). weight_grad_slot: a
-    ``moe_fn.autograd.slot.WeightGradSlot`` to defer the weight-gradient GEMMs into
-    (MoELayer's overlap_weight_grad; whoever passes one must drain it in its backward).
+    ``moe_fn.autograd.slot.WeightGradSlot`` to defer the weight-gradient GEMMs (and the
+    biases' gradients) into (MoELayer's overlap_weight_grad; whoever passes one must drain it
+    in its backward).
     """
     if gate_up_impl not in GATE_UP_IMPLS:
         raise ValueError(f"gate_up_impl must be one of {GATE_UP_IMPLS}, got {gate_up_impl!r}")
     act_id, alpha, limit = resolve_activation(activation, alpha, limit)
     layout_id = resolve_layout(layout)
-    _check_experts_args(x, gate_up_proj, down_proj, weights)
+    _check_experts_args(x, gate_up_proj, down_proj, weights, gate_up_bias, down_bias)
     _check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
-    return Experts.apply(x, gate_up_proj, down_proj, offs, weights, act_id, alpha, limit,
-                         layout_id, gate_up_impl == "fused", weight_grad_slot)
+    return Experts.apply(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
+                         act_id, alpha, limit, layout_id, gate_up_impl == "fused",
+                         weight_grad_slot)

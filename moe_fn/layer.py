@@ -24,7 +24,8 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
         if process_group is not None and dist.get_world_size(process_group) != 1:
             raise ValueError("comm_backend='local' with a process group of size "
                              f"{dist.get_world_size(process_group)}: use 'all_to_all' or 'deepep'")
-        return LocalExchange(num_experts=config.num_experts)
+        return LocalExchange(num_experts=config.num_experts,
+                             fused_combine=config.combine_impl == "fused")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"comm_backend={config.comm_backend!r} needs torch.distributed "
                            "initialised (dist.init_process_group) before the layer is built")
@@ -33,7 +34,8 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
         raise ValueError(f"the process group has {size} ranks but ep_size is "
                          f"{config.ep_size}: pass a group of ep_size ranks")
     if config.comm_backend == "all_to_all":
-        return AllToAllExchange(num_experts=config.num_experts, group=process_group)
+        return AllToAllExchange(num_experts=config.num_experts, group=process_group,
+                                fused_combine=config.combine_impl == "fused")
     from .comm.deepep import DeepEPExchange
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
                           hidden_size=config.hidden_size, num_sms=config.comm_num_sm)
@@ -58,17 +60,35 @@ class MoERouter(nn.Module):
                                              dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        if config.router_bias:
+            self.bias = nn.Parameter(torch.empty(config.num_experts, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
 
 
 class MoEExperts(nn.Module):
     """This rank's experts in Hugging Face's layout: ``gate_up_proj (E_local, 2I, H)``,
-    ``down_proj (E_local, H, I)``."""
+    ``down_proj (E_local, H, I)``; with ``config.expert_bias`` also
+    ``gate_up_proj_bias (E_local, 2I)`` (packed as the weight) and
+    ``down_proj_bias (E_local, H)``.
+
+    MoELayer reads these four attributes on every call and passes them to
+    ``functional.experts`` as they are, so a subclass (or ``moe_fn.hf``'s view) may serve
+    views of other storage, e.g. GPT-OSS's ``(E, H, 2I)`` parameter as ``.transpose(1, 2)``:
+    no copy is made and the gradients reach the viewed parameter."""
 
     def __init__(self, config: MoEConfig, *, device=None, dtype=None):
         super().__init__()
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype))
+        if config.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, device=device,
+                                                              dtype=dtype))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h, device=device, dtype=dtype))
+        else:
+            self.register_parameter("gate_up_proj_bias", None)
+            self.register_parameter("down_proj_bias", None)
 
 
 class MoELayer(nn.Module):
@@ -99,13 +119,17 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             for p in (self.router.weight, self.experts.gate_up_proj, self.experts.down_proj):
                 p.normal_(0.0, std)
+            for p in (self.router.bias, self.experts.gate_up_proj_bias,
+                      self.experts.down_proj_bias):
+                if p is not None:
+                    p.zero_()
 
     def route(self, x2: torch.Tensor, replay_idx=None):
         """Router logits (T, E) and the differentiable top-k weights with their indices.
 
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
-        logits = F.linear(x2, self.router.weight)
+        logits = F.linear(x2, self.router.weight, self.router.bias)
         idx, w = Router.apply(logits, self.router.e_score_correction_bias, c.top_k,
                               c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
                               c.group_score, float(c.routed_scaling_factor), replay_idx)
@@ -117,16 +141,22 @@ class MoELayer(nn.Module):
         # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
         return rows * row_w.to(rows.dtype)[:, None]
 
+    def _expert_biases(self):
+        if not self.config.expert_bias:
+            return None, None
+        return self.experts.gate_up_proj_bias, self.experts.down_proj_bias
+
     def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None):
         c = self.config
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
-        act_id, alpha, limit = c.act_static
+        gate_up_bias, down_bias = self._expert_biases()
         y = functional.experts(
             rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
             activation=c.activation, gate_up_impl=c.gate_up_impl, layout=c.gate_up_layout,
             alpha=c.activation_alpha, limit=c.activation_limit,
-            weights=row_w if c.score_apply == "activation" else None, weight_grad_slot=slot)
+            weights=row_w if c.score_apply == "activation" else None,
+            gate_up_bias=gate_up_bias, down_bias=down_bias, weight_grad_slot=slot)
         if c.score_apply == "post" and post_weighting:
             y = self._weight_rows(y, row_w)
         return y
@@ -150,7 +180,8 @@ class MoELayer(nn.Module):
         slot = None
         if c.overlap_weight_grad:
             slot = WeightGradSlot()
-            overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm)
+            overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
+                       *self._expert_biases())
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
             rows, row_w, handle = Dispatch.apply(x2, w, self.exchange,

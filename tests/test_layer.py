@@ -12,13 +12,24 @@ from moe_fn import MoEConfig, MoELayer
 from tests.dist_utils import run_distributed
 
 
-def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None):
-    """Per-token loops over the chosen experts, written from the formulas (float64)."""
+def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None, router_b=None,
+              gate_up_b=None, down_b=None):
+    """Per-token loops over the chosen experts, written from the formulas (float64).
+    ``router_b`` is added to the logits; ``gate_up_b`` / ``down_b`` inside each expert
+    (the routing weight scales the expert's whole output, down bias included)."""
     logits = x @ router_w.t()
-    scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+    if router_b is not None:
+        logits = logits + router_b
+    if cfg.score_func == "softmax_topk":
+        scores = logits
+    else:
+        scores = (torch.softmax(logits, -1) if cfg.score_func == "softmax"
+                  else torch.sigmoid(logits))
     choice = scores if bias is None else scores + bias
     idx = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, : cfg.top_k]
     w = scores.gather(1, idx)
+    if cfg.score_func == "softmax_topk":
+        w = torch.softmax(w, -1)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     w = w * cfg.routed_scaling_factor
@@ -29,6 +40,8 @@ def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None):
             e = int(idx[t, j])
             pre = cfg.score_apply == "pre"
             gu = gate_up[e] @ (x[t] * w[t, j] if pre else x[t])
+            if gate_up_b is not None:
+                gu = gu + gate_up_b[e]
             g, u = (gu[:i], gu[i:]) if cfg.gate_up_layout == "halves" else (gu[0::2], gu[1::2])
             if cfg.activation == "swiglu":
                 a = F.silu(g) * u
@@ -42,7 +55,8 @@ def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None):
                 else:
                     al = cfg.activation_alpha or 1.702
                     a = (uc + 1) * gc * torch.sigmoid(al * gc)
-            out[t] += (1.0 if pre else w[t, j]) * (down[e] @ a)
+            y = down[e] @ a if down_b is None else down[e] @ a + down_b[e]
+            out[t] += (1.0 if pre else w[t, j]) * y
     return out, logits
 
 
@@ -59,31 +73,59 @@ def _cfg(**kw):
     dict(gate_up_impl="separate", activation="geglu_tanh", score_func="sigmoid"),
     dict(activation="swiglu_clamped", activation_limit=0.05, norm_topk_prob=False,
          routed_scaling_factor=2.5),
+    # GPT-OSS: router and expert biases, softmax over the top-k logits.
+    dict(router_bias=True, expert_bias=True, score_func="softmax_topk", norm_topk_prob=False,
+         activation="swiglu_oai", gate_up_layout="interleaved"),
+    dict(expert_bias=True, gate_up_impl="separate", row_weighting_impl="fused"),
 ])
 def test_layer_matches_naive_oracle(kw):
     torch.manual_seed(0)
     cfg = _cfg(**kw)
     layer = MoELayer(cfg, dtype=torch.float64)
-    with torch.no_grad():
-        layer.router.weight.normal_(0, 1.0)
-        layer.experts.gate_up_proj.normal_(0, 0.5)
-        layer.experts.down_proj.normal_(0, 0.5)
+    _randomize(layer)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     out, logits = layer(x, return_router_logits=True)
     g = torch.randn_like(out)
     (out * g).sum().backward()
 
-    params = [p.detach().clone().requires_grad_() for p in
-              (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj)]
+    mods = (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj,
+            layer.router.bias, layer.experts.gate_up_proj_bias, layer.experts.down_proj_bias)
+    params = [None if p is None else p.detach().clone().requires_grad_() for p in mods]
     x2 = x.detach().clone().requires_grad_()
-    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params, cfg)
+    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params[:3], cfg, None, *params[3:])
     (ref.reshape(out.shape) * g).sum().backward()
     torch.testing.assert_close(out, ref.reshape(out.shape))
     torch.testing.assert_close(logits, ref_logits)
     torch.testing.assert_close(x.grad, x2.grad)
-    for p, r in zip((layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj),
-                    params):
-        torch.testing.assert_close(p.grad, r.grad)
+    for p, r in zip(mods, params):
+        if p is not None:
+            torch.testing.assert_close(p.grad, r.grad)
+
+
+def _randomize(layer):
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+        layer.experts.gate_up_proj.normal_(0, 0.5)
+        layer.experts.down_proj.normal_(0, 0.5)
+        for p in (layer.router.bias, layer.experts.gate_up_proj_bias,
+                  layer.experts.down_proj_bias):
+            if p is not None:
+                p.normal_(0, 0.5)
+
+
+def test_biases_are_parameters_and_need_post_weighting():
+    layer = MoELayer(_cfg(router_bias=True, expert_bias=True))
+    names = dict(layer.named_parameters())
+    assert names["router.bias"].shape == (4,)
+    assert names["experts.gate_up_proj_bias"].shape == (4, 12)
+    assert names["experts.down_proj_bias"].shape == (4, 8)
+    assert "router.bias" not in dict(MoELayer(_cfg()).named_parameters())
+    for apply in ("pre", "activation"):
+        with pytest.raises(ValueError, match="expert_bias needs score_apply='post'"):
+            _cfg(expert_bias=True, score_apply=apply)
+    _cfg(router_bias=True, score_apply="activation")  # a router bias works with any
+    with pytest.raises(ValueError, match="expert_bias must be a bool"):
+        _cfg(expert_bias=1)
 
 
 def test_counters_one_of_each_per_forward():
@@ -111,10 +153,8 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed):
     torch.manual_seed(seed)
     cfg_full = _cfg(**kw)
     ref = MoELayer(cfg_full, dtype=torch.float64)
+    _randomize(ref)
     with torch.no_grad():
-        ref.router.weight.normal_(0, 1.0)
-        ref.experts.gate_up_proj.normal_(0, 0.5)
-        ref.experts.down_proj.normal_(0, 0.5)
         if cfg_full.score_correction_bias:
             # Steer every token away from the last rank's experts and from expert 0.
             bias = torch.zeros(cfg_full.num_experts, dtype=torch.float32)
@@ -136,6 +176,11 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed):
         layer.router.weight.copy_(ref.router.weight)
         layer.experts.gate_up_proj.copy_(ref.experts.gate_up_proj[sl])
         layer.experts.down_proj.copy_(ref.experts.down_proj[sl])
+        if cfg.router_bias:
+            layer.router.bias.copy_(ref.router.bias)
+        if cfg.expert_bias:
+            layer.experts.gate_up_proj_bias.copy_(ref.experts.gate_up_proj_bias[sl])
+            layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
         if cfg.score_correction_bias:
             layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
     x = xs[rank].clone().requires_grad_()
@@ -148,8 +193,16 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed):
     router_grad = layer.router.weight.grad.clone()
     dist.all_reduce(router_grad)
     torch.testing.assert_close(router_grad, ref.router.weight.grad)
+    if cfg.router_bias:
+        bias_grad = layer.router.bias.grad.clone()
+        dist.all_reduce(bias_grad)
+        torch.testing.assert_close(bias_grad, ref.router.bias.grad)
     torch.testing.assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
     torch.testing.assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
+    if cfg.expert_bias:
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            torch.testing.assert_close(getattr(layer.experts, name).grad,
+                                       getattr(ref.experts, name).grad[sl])
     c = layer.exchange.counters
     assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
     if cfg.score_correction_bias:
@@ -165,6 +218,8 @@ EP_CASES = [
     dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
     # Steered routing: expert 0 and the whole last rank receive no rows.
     dict(num_experts=8, top_k=2, score_correction_bias=True, score_func="sigmoid"),
+    dict(num_experts=8, top_k=2, router_bias=True, expert_bias=True, score_func="softmax_topk",
+         norm_topk_prob=False, activation="swiglu_oai", gate_up_layout="interleaved"),
 ]
 
 

@@ -34,6 +34,10 @@ def _layer(world, rank, seed, **kw):
         bias = torch.zeros(E)
         bias[1], bias[2] = -100.0, 1.0
         layer.router.e_score_correction_bias.copy_(bias)
+        for p in (layer.router.bias, layer.experts.gate_up_proj_bias,
+                  layer.experts.down_proj_bias):
+            if p is not None:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
     return layer
 
 
@@ -61,6 +65,17 @@ def _check_gradients(rank, world):
         overlapped = _grads(world, rank, mode, overlap_weight_grad=True, **kw)
         for a, b in zip(serial, overlapped):
             assert torch.equal(a, b), (act, impl, mode, skip)
+    # GPT-OSS's biases: their gradients are deferred with the weights' and still arrive.
+    for impl, (mode, skip) in itertools.product(
+            ["fused", "separate"], [("none", False), ("reentrant", True),
+                                    ("non_reentrant", False)]):
+        kw = dict(activation="swiglu_oai", gate_up_layout="interleaved", gate_up_impl=impl,
+                  router_bias=True, expert_bias=True, skip_recompute_combine=skip)
+        serial = _grads(world, rank, mode, **kw)
+        overlapped = _grads(world, rank, mode, overlap_weight_grad=True, **kw)
+        assert len(serial) == 2 + 6
+        for a, b in zip(serial, overlapped):
+            assert b is not None and torch.equal(a, b), (impl, mode, skip)
     # The steered expert really received no rows anywhere.
     layer = _layer(world, rank, 5, overlap_weight_grad=True)
     layer(torch.randn(9, H)).sum().backward()

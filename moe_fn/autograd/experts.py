@@ -93,31 +93,32 @@ class Experts(torch.autograd.Function):
     """The expert MLP; see ``moe_fn.functional.experts``."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, offs, weights, act_id: int, alpha: float,
-                limit: float, layout_id: int, fused: bool, weight_grad_slot=None):
-        y, res = experts_fwd(x, gate_up_proj, down_proj, offs, weights, act_id=act_id,
-                             alpha=alpha, limit=limit, layout_id=layout_id, fused=fused,
-                             act_impl=kernels)
+    def forward(ctx, x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
+                act_id: int, alpha: float, limit: float, layout_id: int, fused: bool,
+                weight_grad_slot=None):
+        y, res = experts_fwd(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
+                             act_id=act_id, alpha=alpha, limit=limit, layout_id=layout_id,
+                             fused=fused, act_impl=kernels)
         ctx.save_for_backward(x, gate_up_proj, down_proj, offs, res.gate_up, res.gate, res.up,
                               res.h, weights)
-        ctx.statics = (act_id, alpha, limit, layout_id, fused)
+        ctx.statics = (act_id, alpha, limit, layout_id, fused, kernels, res.has_gate_up_bias,
+                       res.has_down_bias)
         ctx.slot = weight_grad_slot
         return y
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("Experts")
-        x, gup, down, offs, gate_up, gate, up, h, weights = ctx.saved_tensors
-        act_id, alpha, limit, layout_id, fused = ctx.statics
-        res = ExpertsRes(x, gup, down, offs, gate_up, gate, up, h, weights, act_id, alpha,
-                         limit, layout_id, fused, kernels)
+        res = ExpertsRes(*ctx.saved_tensors, *ctx.statics)
         n = ctx.needs_input_grad
+        statics = (None,) * 6
         if ctx.slot is not None:
-            # Overlap: dX now; the dW GEMMs run in the dispatch backward, beside the combine.
+            # Overlap: dX now; the dW GEMMs (and bias sums) run in the dispatch backward,
+            # beside the combine.
             dx, d_w, work = experts_bwd_input(res, dy.contiguous(), needs_x=n[0],
                                               needs_weights=n[4])
             ctx.slot.fill(work)
-            return dx, None, None, None, d_w, None, None, None, None, None, None
-        dx, d_gup, d_down, d_w = experts_bwd(res, dy.contiguous(),
-                                             needs=(n[0], n[1], n[2], n[4]))
-        return dx, d_gup, d_down, None, d_w, None, None, None, None, None, None
+            return (dx, None, None, None, d_w, None, None) + statics
+        dx, d_gup, d_down, d_w, d_gub, d_db = experts_bwd(
+            res, dy.contiguous(), needs=(n[0], n[1], n[2], n[4], n[5], n[6]))
+        return (dx, d_gup, d_down, None, d_w, d_gub, d_db) + statics

@@ -8,9 +8,10 @@ How a block is converted (no copies, nothing re-registered):
   (``MoeFn<HFBlock>``) whose ``forward`` runs the preset's code around the routed experts.
   ``isinstance`` checks of HF code (weight init, output capture) still hold.
 - A MoELayer, held by the block outside the module tree (so ``state_dict()`` keys are
-  exactly HF's), reads the router weight, the score-correction bias and the experts'
-  ``gate_up_proj`` / ``down_proj`` through views of the block's own children: the same
-  Parameter objects, never a copy. ``.to()``, ``load_state_dict`` and optimizers see HF's
+  exactly HF's), reads the router weight (and bias), the score-correction bias and the
+  experts' ``gate_up_proj`` / ``down_proj`` (and biases) through views of the block's own
+  children: the same Parameter objects (GPT-OSS's transposed ones as ``.transpose(1, 2)``
+  views), never a copy. ``.to()``, ``load_state_dict`` and optimizers see HF's
   parameters only.
 - The router's class becomes ``MoeFn<HFRouter>``: called normally it is HF's router; the
   block calls it once per forward with the MoELayer's logits so that HF's output-capture
@@ -46,9 +47,15 @@ __all__ = ["convert", "converted_blocks", "gather_expert_state_dict"]
 DERIVED = ("hidden_size", "intermediate_size", "num_experts", "top_k", "activation",
            "activation_alpha", "activation_limit", "gate_up_layout", "score_func",
            "norm_topk_prob", "n_group", "topk_group", "group_score", "score_correction_bias",
-           "routed_scaling_factor", "ep_size")
+           "routed_scaling_factor", "router_bias", "expert_bias", "ep_size")
 OPTIONS = tuple(f.name for f in attrs.fields(MoEConfig) if f.name not in DERIVED)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def _expert_params(config: MoEConfig) -> tuple[str, ...]:
+    """The HF experts' parameters split over expert-parallel ranks (dim 0 is the expert)."""
+    return EXPERT_PARAMS + (EXPERT_BIASES if config.expert_bias else ())
 
 
 def _supported() -> str:
@@ -63,15 +70,16 @@ def _get_path(obj, path: str):
 
 
 class _RouterView(nn.Module):
-    """What MoELayer reads as its router: the HF router's weight and the HF block's
-    score-correction bias, looked up on every access (never copied)."""
+    """What MoELayer reads as its router: the HF router's weight (and bias, GPT-OSS) and the
+    HF block's score-correction bias, looked up on every access (never copied)."""
 
-    def __init__(self, block: nn.Module, preset: Preset):
+    def __init__(self, block: nn.Module, preset: Preset, router_bias: bool):
         super().__init__()
         self.__dict__["_block"] = block  # not a child: the block is not the layer's
         self._router_attr = preset.router_attr
         self._bias_attr = preset.bias_attr
         self._float32 = preset.router_dtype == "float32"
+        self._router_bias = router_bias
 
     @property
     def weight(self):
@@ -79,25 +87,48 @@ class _RouterView(nn.Module):
         return w.float() if self._float32 else w
 
     @property
+    def bias(self):
+        if not self._router_bias:
+            return None
+        b = getattr(self._block, self._router_attr).bias
+        return b.float() if self._float32 else b
+
+    @property
     def e_score_correction_bias(self):
         return None if self._bias_attr is None else _get_path(self._block, self._bias_attr)
 
 
 class _ExpertsView(nn.Module):
-    """What MoELayer reads as its experts: the HF experts' own parameters."""
+    """What MoELayer reads as its experts: the HF experts' own parameters, as
+    ``.transpose(1, 2)`` views where HF stores them transposed (GPT-OSS ``(E, H, 2I)`` /
+    ``(E, I, H)``): views, never copies, so gradients land on HF's parameters."""
 
     def __init__(self, block: nn.Module, preset: Preset):
         super().__init__()
         self.__dict__["_block"] = block
         self._experts_attr = preset.experts_attr
+        self._transposed = preset.transposed
+
+    def _get(self, name):
+        return getattr(getattr(self._block, self._experts_attr), name)
 
     @property
     def gate_up_proj(self):
-        return getattr(self._block, self._experts_attr).gate_up_proj
+        w = self._get("gate_up_proj")
+        return w.transpose(1, 2) if self._transposed else w
 
     @property
     def down_proj(self):
-        return getattr(self._block, self._experts_attr).down_proj
+        w = self._get("down_proj")
+        return w.transpose(1, 2) if self._transposed else w
+
+    @property
+    def gate_up_proj_bias(self):
+        return self._get("gate_up_proj_bias")
+
+    @property
+    def down_proj_bias(self):
+        return self._get("down_proj_bias")
 
 
 class HFMoELayer(MoELayer):
@@ -138,12 +169,12 @@ class ConvertedBlock:
     def moe_preset(self) -> Preset:
         return self.__dict__["_moe_fn_preset"]
 
-    def _moe_fn_routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _moe_fn_routed(self, x: torch.Tensor, return_router_logits: bool = False):
         out, logits = self.moe_layer(x, return_router_logits=True)
         # HF's router returns (router_logits, top-k weights, top-k indices); output capture
         # records index 0. The weights and indices live inside the MoELayer.
         getattr(self, self.moe_preset.router_attr)(x, _moe_fn_output=(logits, None, None))
-        return out
+        return (out, logits) if return_router_logits else out
 
     def forward(self, hidden_states, *args, **kwargs):
         return self.moe_preset.forward(self, hidden_states, self._moe_fn_routed)
@@ -275,7 +306,7 @@ def _find_blocks(model, block_cls, pattern) -> list[tuple[str, nn.Module]]:
 def _convert_block(block, preset: Preset, text_config, process_group, ep_size, options):
     router = getattr(block, preset.router_attr)
     experts = getattr(block, preset.experts_attr)
-    gate_up = experts.gate_up_proj
+    gate_up = _ExpertsView(block, preset).gate_up_proj  # (E, 2I, H)
     num_experts, two_i, hidden = gate_up.shape
     options = dict(options)
     options.setdefault("comm_backend", "all_to_all" if ep_size > 1 else "local")
@@ -284,12 +315,12 @@ def _convert_block(block, preset: Preset, text_config, process_group, ep_size, o
                        **preset.routing(text_config), **options)
     layer = HFMoELayer(config, process_group, device="meta", dtype=gate_up.dtype)
     layer.router_dtype = preset.router_dtype
-    layer.router = _RouterView(block, preset)
+    layer.router = _RouterView(block, preset, config.router_bias)
     layer.experts = _ExpertsView(block, preset)
     if ep_size > 1:
         n = config.num_local_experts
         lo = layer.ep_rank * n
-        for name in EXPERT_PARAMS:
+        for name in _expert_params(config):
             full = getattr(experts, name)
             setattr(experts, name, nn.Parameter(full.detach()[lo:lo + n].clone(),
                                                 requires_grad=full.requires_grad))
@@ -316,8 +347,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     skip_recompute_combine.
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, an
-    unknown or preset-derived option, score_apply="pre", or ``skip_recompute_combine`` with
-    a custom pattern; NotImplementedError for a preset MoELayer cannot compute yet (gpt_oss).
+    unknown or preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose
+    routing weight also scales the experts' down bias), or ``skip_recompute_combine`` with
+    a custom pattern; NotImplementedError for a preset marked unsupported.
     """
     p = resolve_preset(model, preset)
     if p.unsupported:
@@ -342,10 +374,10 @@ def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, 
 
     Collective: every rank of the expert-parallel group must call it. Experts' tensors of
     each converted block with ``ep_size > 1`` (``experts.gate_up_proj (E/ep, 2I, H)``,
-    ``experts.down_proj (E/ep, H, I)``) are all-gathered over ``process_group`` (default each
-    block's own group) and concatenated in rank order, giving ``(E, 2I, H)`` and
-    ``(E, H, I)``; everything else is as ``state_dict()`` returns it. The result loads into
-    an unconverted HF model of the same config.
+    ``experts.down_proj (E/ep, H, I)``, in HF's own layout, and GPT-OSS's expert biases) are
+    all-gathered over ``process_group`` (default each block's own group) and concatenated in
+    rank order along the expert dimension; everything else is as ``state_dict()`` returns
+    it. The result loads into an unconverted HF model of the same config.
     """
     sd = model.state_dict()
     for name, block in converted_blocks(model):
@@ -355,7 +387,7 @@ def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, 
             continue
         group = process_group if process_group is not None else layer.process_group
         experts = getattr(block, block.moe_preset.experts_attr)
-        for pname in EXPERT_PARAMS:
+        for pname in _expert_params(layer.config):
             key = ".".join(filter(None, (name, block.moe_preset.experts_attr, pname)))
             local = getattr(experts, pname).detach().contiguous()
             parts = [torch.empty_like(local) for _ in range(ep)]

@@ -21,6 +21,12 @@ minimax_m3     sigmoid    always     -                            gate    swiglu
 gpt_oss        softmax_topk  -       -                            -       swiglu_oai (interleaved)
 =============  =========  =========  ===========================  ======  ==============
 
+GPT-OSS also has a router bias (``router.bias``, added to the logits) and per-expert biases
+(``experts.gate_up_proj_bias`` after gate+up, ``experts.down_proj_bias`` after down, both
+inside the routing weight, hence ``score_apply="post"`` only), and stores its experts
+transposed (``gate_up_proj (E, H, 2I)``, ``down_proj (E, I, H)``), which the MoELayer reads as
+``.transpose(1, 2)`` views: no copy. Its MLP returns ``(hidden, router_scores)``.
+
 ``routed_scaling_factor`` is read from the config for deepseek_v2/v3, glm4_moe and
 minimax_m3 (where HF multiplies the experts' sum after the fact; the product is linear, so
 it moves into the routing weights). DeepSeek-V2/V3 and GLM-4-MoE compute router logits in
@@ -104,9 +110,10 @@ def _routing_minimax_m3(cfg):
 
 
 def _routing_gpt_oss(cfg):
+    # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit.
     return dict(score_func="softmax_topk", norm_topk_prob=False, activation="swiglu_oai",
                 activation_alpha=float(cfg.swiglu_alpha), activation_limit=float(cfg.swiglu_limit),
-                gate_up_layout="interleaved")
+                gate_up_layout="interleaved", router_bias=True, expert_bias=True)
 
 
 # --- what HF computes around the routed experts -------------------------------------------
@@ -153,18 +160,15 @@ def forward_minimax_m3(block, hidden_states, routed):
     return (routed(x) + shared).reshape(b, s, h)
 
 
-def forward_gpt_oss(block, hidden_states, routed):  # pragma: no cover - gpt_oss is refused
-    raise NotImplementedError
-
-
-GPT_OSS_MISSING = (
-    "GPT-OSS cannot be converted yet: its experts add per-expert biases "
-    "(experts.gate_up_proj_bias (E, 2I) after gate+up, experts.down_proj_bias (E, H) after "
-    "down, before the routing weight) and its router adds router.bias (E,) to the logits; "
-    "MoELayer has neither expert biases nor a router bias. (Its transposed storage "
-    "gate_up_proj (E, H, 2I) / down_proj (E, I, H), the interleaved gate/up packing, "
-    "swiglu_oai and softmax_topk routing are otherwise covered.)"
-)
+def forward_gpt_oss(block, hidden_states, routed):
+    """GPT-OSS: ``(routed, router_scores)``; the scores (softmax over the top-k logits, as
+    HF's router returns them) are what HF's MLP returns beside its output (its decoder
+    layer discards them)."""
+    b, s, h = hidden_states.shape
+    out, logits = routed(hidden_states.reshape(-1, h), return_router_logits=True)
+    top = torch.topk(logits, block.router.top_k, dim=-1).values
+    scores = F.softmax(top, dim=1, dtype=top.dtype)
+    return out.reshape(b, s, h), scores
 
 
 @attrs.frozen(kw_only=True)
@@ -177,7 +181,11 @@ class Preset:
     path (from the block) of the ``e_score_correction_bias`` buffer, or None.
     router_dtype: None (logits in the weight's dtype from the input as it comes),
     "float32" (input and weight cast to float32, DeepSeek), "weight" (input cast to the
-    weight's dtype, MiniMax). routing: HF text config -> MoEConfig fields. forward:
+    weight's dtype, MiniMax). transposed: the experts store ``gate_up_proj (E, H, 2I)`` and
+    ``down_proj (E, I, H)`` (GPT-OSS); the MoELayer reads them as ``.transpose(1, 2)`` views.
+    Router and expert biases (GPT-OSS: ``router.bias``, ``experts.gate_up_proj_bias``,
+    ``experts.down_proj_bias``) are read when ``routing`` sets ``router_bias`` /
+    ``expert_bias``. routing: HF text config -> MoEConfig fields. forward:
     ``(block, hidden_states, routed) -> what HF's block returns``. unsupported: why convert
     must refuse it (NotImplementedError), or None.
     """
@@ -194,6 +202,7 @@ class Preset:
     experts_attr: str = "experts"
     bias_attr: str | None = None
     router_dtype: str | None = None
+    transposed: bool = False
     min_transformers: str = "5.0.0"
     unsupported: str | None = None
 
@@ -249,7 +258,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        _routing_minimax_m3, forward_minimax_m3, bias_attr="gate.e_score_correction_bias",
        router_dtype="weight", min_transformers="5.15.0"),
     _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
-       _routing_gpt_oss, forward_gpt_oss, router_attr="router", unsupported=GPT_OSS_MISSING),
+       _routing_gpt_oss, forward_gpt_oss, router_attr="router", transposed=True),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

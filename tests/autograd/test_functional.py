@@ -88,6 +88,73 @@ def test_gradcheck_experts(name, layout, impl, with_w):
     assert torch.autograd.gradcheck(f, (x, gup, down) + ((w,) if with_w else ()))
 
 
+@pytest.mark.parametrize("with_w", [False, True])
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_experts_with_biases(layout, impl, with_w):
+    offs = offs_of([2, 0, 3])
+    x, gup, down = rand(5, 3, seed=1), rand(3, 4, 3, seed=2), rand(3, 3, 2, seed=3)
+    gub, db = rand(3, 4, seed=4), rand(3, 3, seed=5)
+    w = positive(5) if with_w else None
+
+    def f(x, gup, down, gub, db, *w):
+        return fn.experts(x, gup, down, offs, gate_up_impl=impl, layout=layout,
+                          weights=w[0] if w else None, gate_up_bias=gub, down_bias=db,
+                          **act_kwargs("swiglu_oai"))
+
+    assert torch.autograd.gradcheck(f, (x, gup, down, gub, db) + ((w,) if with_w else ()))
+    # One bias alone.
+    assert torch.autograd.gradcheck(
+        lambda x, db: fn.experts(x, gup, down, offs, gate_up_impl=impl, layout=layout,
+                                 down_bias=db), (x, db))
+
+
+class _CopyWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op output that is not a view yet has as many elements as ``ref``."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.copies = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.numel() == self.numel and not func.is_view:
+                self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("impl", ["fused", "separate"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_on_transposed_views(layout, impl, dtype):
+    """GPT-OSS stores gate_up_proj (E, H, 2I) and down_proj (E, I, H): passed as
+    ``.transpose(1, 2)`` views they are used without a copy and their gradients arrive."""
+    offs = offs_of([7, 0, 9])
+    x = rand(16, 8, seed=1, dtype=dtype)
+    gup_t, down_t = rand(3, 8, 16, seed=2, dtype=dtype), rand(3, 8, 8, seed=3, dtype=dtype)
+    gub, db = rand(3, 16, seed=4, dtype=dtype), rand(3, 8, seed=5, dtype=dtype)
+    kw = dict(gate_up_impl=impl, layout=layout, gate_up_bias=gub, down_bias=db,
+              **act_kwargs("swiglu_oai"))
+    watch = _CopyWatch(gup_t.numel())
+    with watch:
+        y = fn.experts(x, gup_t.transpose(1, 2), down_t.transpose(1, 2), offs, **kw)
+    assert watch.copies == [], watch.copies
+    y.square().sum().backward()
+    leaves = (x, gup_t, down_t, gub, db)
+    got = [t.grad for t in leaves]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    fn.experts(ref_leaves[0], ref_leaves[1].transpose(1, 2).contiguous(),
+               ref_leaves[2].transpose(1, 2).contiguous(), offs,
+               gate_up_bias=ref_leaves[3], down_bias=ref_leaves[4],
+               **{k: v for k, v in kw.items() if k not in ("gate_up_bias", "down_bias")}
+               ).square().sum().backward()
+    for g, r in zip(got, ref_leaves):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r.grad)
+
+
 # ---- float32 through torch._grouped_mm, sum().backward() zero-stride gradient ----------
 
 
@@ -162,6 +229,12 @@ BAD = {
     "unused alpha": (_ex(alpha=1.0), ValueError, "alpha is only used"),
     "unknown layout": (_ex(layout="packed"), ValueError, "layout must be one of"),
     "unknown impl": (_ex(gate_up_impl="fast"), ValueError, "gate_up_impl must be one of"),
+    "gate_up_bias shape": (_ex(gate_up_bias=torch.randn(3, 3)), ValueError,
+                           r"gate_up_bias must be \(3, 6\)"),
+    "down_bias shape": (_ex(down_bias=torch.randn(2, 4)), ValueError,
+                        r"down_bias must be \(3, 4\)"),
+    "down_bias 1-d": (_ex(down_bias=torch.randn(4)), ValueError, "down_bias must have 2"),
+    "bias dtype": (_ex(down_bias=torch.randn(3, 4, dtype=F64)), TypeError, "one dtype"),
     "grouped_linear in mismatch": (
         lambda: fn.grouped_linear(torch.randn(5, 4), torch.randn(2, 3, 5), offs_of([2, 3])),
         ValueError, "weight must be"),
@@ -219,6 +292,27 @@ def test_compile_fullgraph_aot_eager(impl, dtype):
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     leaves = (x, gup, down, w)
     y = compiled(*leaves)
+    g = torch.autograd.grad(y.float().square().sum(), leaves)
+    y_ref = f(*leaves)
+    g_ref = torch.autograd.grad(y_ref.float().square().sum(), leaves)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(g, g_ref)
+
+
+def test_compile_fullgraph_aot_eager_with_biases():
+    """The bias rows are found on the device (searchsorted over offs): no graph break."""
+    offs = offs_of([6, 0, 10])
+    bf = torch.bfloat16
+    leaves = (rand(16, 8, dtype=bf), rand(3, 16, 8, dtype=bf, seed=1),
+              rand(3, 8, 8, dtype=bf, seed=2), rand(3, 16, dtype=bf, seed=3),
+              rand(3, 8, dtype=bf, seed=4))
+
+    def f(x, gup, down, gub, db):
+        return fn.experts(x, gup, down, offs, activation="swiglu_oai", layout="interleaved",
+                          gate_up_bias=gub, down_bias=db)
+
+    torch._dynamo.reset()
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
     g = torch.autograd.grad(y.float().square().sum(), leaves)
     y_ref = f(*leaves)
     g_ref = torch.autograd.grad(y_ref.float().square().sum(), leaves)

@@ -112,12 +112,13 @@ FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _q
              "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
              "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
              "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss}
-SUPPORTED = [n for n in FACTORIES if n != "gpt_oss"]
+SUPPORTED = list(FACTORIES)
 
 
 def make_model(name: str, seed: int = 0):
     """A float32 model with non-degenerate routing: weights N(0, 0.02), routers N(0, 1),
-    experts N(0, 0.1), score-correction biases N(0, 0.5), so scores are far from ties."""
+    experts N(0, 0.1) (GPT-OSS's expert biases included), score-correction biases N(0, 0.5),
+    so scores are far from ties; other 1-d parameters (GPT-OSS's router bias) N(0, 0.1)."""
     torch.manual_seed(seed)
     model = FACTORIES[name]().float()
     model.config._attn_implementation = "eager"

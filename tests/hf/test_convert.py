@@ -50,7 +50,7 @@ def test_matches_hf(name, ckpt):
     _check_matches_hf(name, ckpt)
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3", "gpt_oss"])
 def test_checkpointed_skip_recompute_combine(name):
     blocks = _check_matches_hf(name, True, skip_recompute_combine=True)
     assert all(b.moe_layer.exchange.counters["combine_skipped"] == 1 for _, b in blocks)
@@ -74,7 +74,12 @@ def _check_matches_hf(name, ckpt, **options):
     return blocks
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3"])
+def _same_param(view, param):
+    """``view`` is ``param`` itself or a view of it (GPT-OSS's transposed experts)."""
+    return view is param or (view._base is param and view.data_ptr() == param.data_ptr())
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "minimax_m3", "gpt_oss"])
 def test_state_dict_round_trip_and_sharing(name):
     ref = make_model(name)
     conv = convert(make_model(name, seed=1))
@@ -85,9 +90,14 @@ def test_state_dict_round_trip_and_sharing(name):
     # HF -> converted: the MoELayer computes with the loaded weights (shared, not copied).
     conv.load_state_dict(want, strict=True)
     for _, b in converted_blocks(conv):
-        assert b.moe_layer.experts.gate_up_proj is b.experts.gate_up_proj
-        assert b.moe_layer.experts.down_proj is b.experts.down_proj
-        assert b.moe_layer.router.weight is b.gate.weight
+        layer, router = b.moe_layer, getattr(b, b.moe_preset.router_attr)
+        assert _same_param(layer.experts.gate_up_proj, b.experts.gate_up_proj)
+        assert _same_param(layer.experts.down_proj, b.experts.down_proj)
+        assert layer.router.weight is router.weight
+        if layer.config.expert_bias:
+            assert layer.router.bias is router.bias
+            assert layer.experts.gate_up_proj_bias is b.experts.gate_up_proj_bias
+            assert layer.experts.down_proj_bias is b.experts.down_proj_bias
     ids, labels = batch()
     with torch.no_grad():
         assert_close(conv(input_ids=ids).logits, ref(input_ids=ids).logits, name)
@@ -98,7 +108,7 @@ def test_state_dict_round_trip_and_sharing(name):
         assert_close(fresh(input_ids=ids).logits, ref(input_ids=ids).logits, name)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "minimax_m2", "gpt_oss"])
 def test_bfloat16_with_float32_router(name):
     """.to() reaches the shared parameters; a float32 router in a bf16 model (HF keeps
     DeepSeek's gate.weight in float32) routes as HF does."""
@@ -114,11 +124,16 @@ def test_bfloat16_with_float32_router(name):
         w64 = copy.deepcopy(w).double()
         w64.experts.config._experts_implementation = "eager"  # grouped_mm has no float64
         with torch.no_grad():
-            got, want, exact = b(x.clone()), w(x.clone()), w64(x.double())
+            got, want, exact = (_hidden(m(a)) for m, a in ((b, x.clone()), (w, x.clone()),
+                                                            (w64, x.double())))
         assert got.dtype == torch.bfloat16
         # At most twice HF's own bf16 error against float64, plus one bf16 step.
         err, hf_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
         assert err <= 2 * hf_err + 2**-8 * exact.abs().max(), (float(err), float(hf_err))
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out  # GPT-OSS: (hidden, router_scores)
 
 
 def _blocks_like(ref, conv):
@@ -196,10 +211,22 @@ def test_unsupported_model_type():
         convert(make_model("olmoe"), preset="mixtral")
 
 
-def test_gpt_oss_not_implemented():
-    with pytest.raises(NotImplementedError, match="gate_up_proj_bias.*down_proj_bias"):
-        convert(make_model("gpt_oss"))
-    assert PRESETS["gpt_oss"].unsupported
+def test_gpt_oss_block_returns_router_scores_and_needs_post():
+    ref = make_model("gpt_oss")
+    conv = convert(copy.deepcopy(ref))
+    cfg = conv.model.layers[0].mlp.moe_layer.config
+    assert (cfg.router_bias, cfg.expert_bias, cfg.gate_up_layout, cfg.score_func) == (
+        True, True, "interleaved", "softmax_topk")
+    assert not PRESETS["gpt_oss"].unsupported
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        (got, got_scores), (want, want_scores) = conv.model.layers[0].mlp(x), \
+            ref.model.layers[0].mlp(x)
+    assert_close(got, want, "gpt_oss mlp")
+    assert_close(got_scores, want_scores, "gpt_oss router scores")
+    # The routing weight scales the down bias too: only score_apply="post" computes that.
+    with pytest.raises(ValueError, match="expert_bias needs score_apply='post'"):
+        convert(make_model("gpt_oss"), score_apply="activation")
 
 
 def test_bad_patterns_and_options():

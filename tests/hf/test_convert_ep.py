@@ -42,7 +42,8 @@ def _check_preset(rank, world, name, ckpt):
 
     # A rank's experts serve every rank's tokens: their gradient is the sum over ranks of
     # the reference's, sliced; every other parameter is replicated and sees local tokens.
-    expert_keys = {f"{n}.experts.{p}" for n, _ in blocks for p in ("gate_up_proj", "down_proj")}
+    expert_keys = {f"{n}.experts.{p}" for n, _ in blocks
+                   for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
     want_p = dict(ref.named_parameters())
     for pname, p in conv.named_parameters():
         w = want_p[pname].grad

@@ -78,7 +78,9 @@ def oracle(x, gup, down, w, dy, counts, name, layout):
 
 def run_pair(x, gup, down, offs, w, dy, name, layout, fused):
     y, res = experts_fwd(x, gup, down, offs, w, fused=fused, **statics(name, layout))
-    return (y,) + experts_bwd(res, dy)
+    out = experts_bwd(res, dy)
+    assert out[4:] == (None, None)  # no biases, no bias gradients
+    return (y,) + out[:4]
 
 
 @pytest.mark.parametrize("with_w", [False, True])
@@ -161,10 +163,11 @@ def test_split_backward_composes_and_defers():
         _, res = experts_fwd(x, gup, down, offs, w, fused=fused, **statics("swiglu", "halves"))
         dx, dw, work = experts_bwd_input(res, dy.t().contiguous().t())
         assert work.dy.is_contiguous()
-        d_gup, d_down = experts_bwd_weight(work)  # later, on its own
+        d_gup, d_down, d_gub, d_db = experts_bwd_weight(work)  # later, on its own
+        assert d_gub is None and d_db is None
         full = experts_bwd(res, dy)
-        torch.testing.assert_close((dx, d_gup, d_down, dw), full)
-        none = experts_bwd(res, dy, needs=(False, False, True, False))
+        torch.testing.assert_close((dx, d_gup, d_down, dw, None, None), full)
+        none = experts_bwd(res, dy, needs=(False, False, True, False, True, True))
         assert none[0] is None and none[1] is None and none[3] is None
         torch.testing.assert_close(none[2], d_down)
 
@@ -220,3 +223,90 @@ def test_fused_vs_separate_bf16_error_rule(layout):
             assert got.dtype == torch.bfloat16
             bound = 2 * _max_err(plain, ref) + 2**-8 * ref.abs().max().item()
             assert _max_err(got, ref) <= bound
+
+
+# ---- expert biases (GPT-OSS) -------------------------------------------------------------
+
+
+def naive_experts_biased(x, gup, down, gub, db, counts, w, name, layout):
+    """Per expert: ``down(act(x W^T + b_gu) [* w]) + b_down``, gate/up picked from the packed
+    weight and bias by the layout (float64)."""
+    i = down.shape[2]
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        rows = x[start:start + c]
+        sel = (slice(0, i), slice(i, 2 * i)) if layout == "halves" else (slice(0, None, 2),
+                                                                         slice(1, None, 2))
+        g = rows @ gup[e, sel[0]].t() + gub[e, sel[0]]
+        u = rows @ gup[e, sel[1]].t() + gub[e, sel[1]]
+        h = naive_act(g, u, name)
+        if w is not None:
+            h = h * w[start:start + c, None]
+        outs.append(h @ down[e].t() + db[e])
+        start += c
+    return torch.cat(outs, dim=0)
+
+
+def make_biases(e, h, i, dtype=torch.float64, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    gub, db = torch.randn(e, 2 * i, generator=gen), torch.randn(e, h, generator=gen)
+    return gub.to(dtype), db.to(dtype)
+
+
+@pytest.mark.parametrize("with_w", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_pair_with_biases_matches_oracle(layout, fused, with_w):
+    counts = [3, 0, 4, 2]
+    x, gup, down, w, dy, offs = make(counts, 5, 3)
+    gub, db = make_biases(4, 5, 3)
+    w = w if with_w else None
+    kw = statics("swiglu_oai", layout)
+    y, res = experts_fwd(x, gup, down, offs, w, gub, db, fused=fused, **kw)
+    dx, dgup, ddown, dw, dgub, ddb = experts_bwd(res, dy)
+    leaves = [t.clone().requires_grad_() for t in (x, gup, down, gub, db)]
+    wr = None if w is None else w.clone().requires_grad_()
+    yr = naive_experts_biased(*leaves, counts, wr, "swiglu_oai", layout)
+    want = torch.autograd.grad(yr, leaves + ([wr] if with_w else []), dy)
+    torch.testing.assert_close(y, yr.detach())
+    for got, ref in zip((dx, dgup, ddown, dgub, ddb) + ((dw,) if with_w else ()), want):
+        torch.testing.assert_close(got, ref)
+    assert not dgub[1].any() and not ddb[1].any()  # the empty expert
+    # Only the biases wanted, and one bias alone.
+    only = experts_bwd(res, dy, needs=(False, False, False, False, True, False))
+    assert only[:4] == (None,) * 4 and only[5] is None
+    torch.testing.assert_close(only[4], dgub)
+    _, res1 = experts_fwd(x, gup, down, offs, w, None, db, fused=fused, **kw)
+    assert experts_bwd(res1, dy)[4] is None
+
+
+def test_bias_gradients_are_deferred_with_the_weight_gradients():
+    """experts_bwd_input does no bias work; experts_bwd_weight returns the bias sums."""
+    counts = [4, 0, 4]
+    x, gup, down, w, dy, offs = make(counts, 8, 8, dtype=torch.float32)
+    gub, db = make_biases(3, 8, 8, dtype=torch.float32)
+    for fused in (True, False):
+        _, res = experts_fwd(x, gup, down, offs, None, gub, db, fused=fused,
+                             **statics("swiglu", "interleaved"))
+        dx, _, work = experts_bwd_input(res, dy)
+        assert work.has_gate_up_bias and work.has_down_bias
+        d_gup, d_down, d_gub, d_db = experts_bwd_weight(work)
+        full = experts_bwd(res, dy)
+        torch.testing.assert_close((dx, d_gup, d_down, None, d_gub, d_db), full)
+        torch.testing.assert_close(d_db, torch.stack([dy[:4].sum(0), dy[:0].sum(0),
+                                                      dy[4:].sum(0)]))
+        weights_only = experts_bwd_weight(work, needs=(True, True, False, False))
+        assert weights_only[2:] == (None, None)
+
+
+def test_bias_gradients_bfloat16_accumulate_in_float32():
+    counts = [40, 0, 24]
+    x, gup, down, w, dy, offs = make(counts, 16, 8, dtype=torch.bfloat16, seed=2)
+    gub, db = make_biases(3, 16, 8, dtype=torch.bfloat16)
+    _, res = experts_fwd(x, gup, down, offs, None, gub, db, fused=True,
+                         **statics("swiglu", "halves"))
+    *_, d_gub, d_db = experts_bwd(res, dy)
+    assert d_gub.dtype == d_db.dtype == torch.bfloat16
+    # The float32 sum of the bf16 rows, rounded once.
+    want = torch.stack([dy[:40].float().sum(0), dy[:0].float().sum(0), dy[40:].float().sum(0)])
+    assert torch.equal(d_db, want.bfloat16())

@@ -53,6 +53,8 @@ class SortedRowsHandle:
     ``self_dst`` (n_own,) / ``recv_dst`` (n_recv,) int64: the expert-major position of each
     own row and of each received row; ``self_dst`` None on one rank (sorted order is then
     expert order).
+    ``expert_src`` (N,) int64: for each expert-major row, its position in [received rows,
+    in arrival order; own rows]; None on one rank.
     ``home_order`` (T*k,) int64: for each flattened (token, k) row, its position in
     [rows returned from other ranks, in sorted order; own rows]; None on one rank.
     ``local_offs`` (E_local,) int32: cumulative row ends per local expert (ends at N).
@@ -68,6 +70,7 @@ class SortedRowsHandle:
     self_tokens: torch.Tensor
     self_dst: torch.Tensor | None
     recv_dst: torch.Tensor | None
+    expert_src: torch.Tensor | None
     home_order: torch.Tensor | None
     local_offs: torch.Tensor
     num_rows: int

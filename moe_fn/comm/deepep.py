@@ -123,6 +123,12 @@ class DeepEPExchange(Exchange):
                                "was made")
         return recv_x.index_select(0, handle.token_of_row), row_w, handle
 
+    def start_dispatch_bwd(self, handle, d_rows, d_row_weights):
+        # DeepEP's own async_finish on its communication stream, as its maintainers advise
+        # (DeepEP issue #131): wrapping its calls in a stream of ours serialised them with
+        # the GEMMs in our measurements.
+        return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
+
     def _sum_per_token(self, rows, handle):
         """Each received token's local expert rows, summed (float32 accumulation).
 

@@ -66,18 +66,21 @@ class SortedRowsExchange(Exchange):
     # ---- the two moves ---------------------------------------------------------------------
     def _to_experts(self, token_rows, h: SortedRowsHandle, *, async_op=False):
         """Token rows ``(T, D)`` -> expert rows ``(N, D)``; returns ``finish() -> rows``."""
-        own = token_rows.index_select(0, h.self_tokens)
         if h.self_dst is None:  # one rank: sorted order is expert order
+            own = token_rows.index_select(0, h.self_tokens)
             return lambda: own
-        remote, work = self._exchange(token_rows.index_select(0, h.remote_tokens),
-                                      h.send_splits, h.recv_splits, async_op=async_op)
-        out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
-        out.index_copy_(0, h.self_dst, own)  # overlaps the remote rows' flight
+        n_recv = sum(h.recv_splits)
+        # [received rows; own rows], then one gather into expert order. The own rows are
+        # gathered while the remote ones are in flight.
+        buf = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
+        _, work = self._exchange(token_rows.index_select(0, h.remote_tokens), h.send_splits,
+                                 h.recv_splits, async_op=async_op, out=buf[:n_recv])
+        torch.index_select(token_rows, 0, h.self_tokens, out=buf[n_recv:])
 
         def finish():
             if work is not None:
                 work.wait()
-            return out.index_copy_(0, h.recv_dst, remote)
+            return buf.index_select(0, h.expert_src)
         return finish
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
@@ -174,6 +177,7 @@ class LocalExchange(SortedRowsExchange):
         n = plan.perm.numel()
         offs = torch.cumsum(plan.counts, 0).to(torch.int32)
         return _make_handle(plan, send_splits=(0,), recv_splits=(0,), remote_tokens=None,
+                            expert_src=None,
                             self_tokens=plan.token_of_sorted, self_flat=plan.perm,
                             self_dst=None, recv_dst=None, home_order=None, local_offs=offs,
                             num_rows=n)
@@ -236,8 +240,13 @@ class AllToAllExchange(SortedRowsExchange):
         remote_src = src[(src < sa) | (src >= sb)]
         own_rows = send_splits[r]
         send_splits[r] = recv_splits[r] = 0
+        n_recv = n - own_rows
+        expert_src = torch.empty(n, dtype=torch.int64, device=dev)
+        expert_src[dst_of_src[remote_src]] = torch.arange(n_recv, device=dev)
+        expert_src[dst_of_src[sa:sa + own_rows]] = n_recv + torch.arange(own_rows, device=dev)
         return _make_handle(
             plan, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
+            expert_src=expert_src,
             remote_tokens=plan.token_of_sorted[keep], remote_flat=plan.perm[keep],
             self_tokens=plan.token_of_sorted[a:b], self_flat=plan.perm[a:b],
             self_dst=dst_of_src[sa:sa + own_rows], recv_dst=dst_of_src[remote_src],

@@ -7,8 +7,6 @@ was expected. Rows are grouped by expert: ``offs (E,)`` int32 holds cumulative r
 
 from __future__ import annotations
 
-import torch
-
 from ._checks import FLOAT_DTYPES, check_offs, check_same, check_tensor
 from .autograd.experts import Experts, GroupedLinear, RowWeight, Swiglu, SwigluPacked
 from .pure.activations import (
@@ -25,21 +23,6 @@ __all__ = ["experts", "grouped_linear", "row_weight", "swiglu", "swiglu_packed"]
 GATE_UP_IMPLS = ("fused", "separate")
 
 
-def _check_offs(offs, num_rows: int, num_groups: int, device) -> None:
-    """``check_offs``; while torch.compile traces, only the metadata checks (dtype, length,
-    device): the value checks read ``offs`` on the host, which a full graph cannot do."""
-    if not torch.compiler.is_compiling():
-        check_offs(offs, num_rows, num_groups, device)
-        return
-    check_tensor("offs", offs, ndim=1)
-    if offs.dtype != torch.int32:
-        raise TypeError(f"offs must be int32 (torch._grouped_mm's convention), got {offs.dtype}")
-    if offs.numel() != num_groups:
-        raise ValueError(f"offs must have one entry per expert ({num_groups}), got {offs.numel()}")
-    if offs.device != device:
-        raise ValueError(f"offs must be on {device}, got {offs.device}")
-
-
 def grouped_linear(x, weight, offs):
     """Per-expert linear: ``y[rows of e] = x[rows of e] @ weight[e]^T``.
 
@@ -53,7 +36,7 @@ def grouped_linear(x, weight, offs):
             f"got shape {tuple(weight.shape)}"
         )
     check_same("x and weight", x, weight)
-    _check_offs(offs, x.shape[0], weight.shape[0], x.device)
+    check_offs(offs, x.shape[0], weight.shape[0], x.device)
     return GroupedLinear.apply(x, weight, offs)
 
 
@@ -145,7 +128,7 @@ def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_im
     act_id, alpha, limit = resolve_activation(activation, alpha, limit)
     layout_id = resolve_layout(layout)
     _check_experts_args(x, gate_up_proj, down_proj, weights, gate_up_bias, down_bias)
-    _check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
+    check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
     return Experts.apply(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
                          act_id, alpha, limit, layout_id, gate_up_impl == "fused",
                          weight_grad_slot)

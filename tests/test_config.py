@@ -1,0 +1,76 @@
+"""Configuration fails closed: every unsupported option or combination names the fix, and
+exchange problems surface before any collective runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_fn import MoEConfig, MoELayer
+from moe_fn.comm import deepep
+from tests.dist_utils import run_distributed
+
+BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(top_k=9), "top_k"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(activation="relu"), "activation"),
+    (dict(activation="swiglu", activation_alpha=1.0), "alpha is only used"),
+    (dict(activation="swiglu_oai", activation_limit=-1.0), "limit must be"),
+    (dict(gate_up_layout="rows"), "gate_up_layout"),
+    (dict(score_func="relu"), "score_func"),
+    (dict(n_group=3), "n_group"),
+    (dict(n_group=4, topk_group=5), "topk_group"),
+    (dict(n_group=4, topk_group=1, top_k=3), "top_k"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(ep_size=3), "ep_size"),
+    (dict(comm_backend="local", ep_size=2), "comm_backend='local'"),
+    (dict(comm_backend="deepep", ep_size=3, num_experts=9), "ep_size in"),
+    (dict(comm_backend="deepep", ep_size=2, comm_num_sm=21), "comm_num_sm must be even"),
+    (dict(comm_backend="deepep", ep_size=2, hidden_size=9000), "DeepEP cannot carry"),
+    (dict(comm_backend="deepep", ep_size=2, hidden_size=12), "DeepEP cannot carry"),
+    (dict(comm_backend="deepep", ep_size=2, combine_impl="fused"), "combine_impl='fused'"),
+    (dict(row_weighting_impl="fused", score_apply="activation"), "row_weighting_impl"),
+    (dict(overlap_weight_grad=True), "ep_size=1"),
+    (dict(expert_bias=True, score_apply="pre"), "expert_bias"),
+    (dict(norm_topk_prob=1), "norm_topk_prob"),
+])
+def test_invalid_options_name_the_option(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**BASE, **kw})
+
+
+def test_deepep_missing_says_how_to_get_it(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_deep_ep(name, *a, **kw):
+        if name == "deep_ep":
+            raise ImportError("No module named 'deep_ep'")
+        return real_import(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_deep_ep)
+    with pytest.raises(ImportError, match="build DeepEP from its source"):
+        deepep.import_deep_ep()
+
+
+def test_layer_rejects_a_non_config():
+    with pytest.raises(TypeError, match="MoEConfig"):
+        MoELayer(dict(BASE))
+
+
+def _group_size_mismatch(rank, world):
+    cfg = MoEConfig(**BASE, comm_backend="all_to_all", ep_size=4)
+    with pytest.raises(ValueError, match="process group has 2 ranks but ep_size is 4"):
+        MoELayer(cfg)
+    # No rank was left inside a collective: the group still works.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+
+
+@pytest.mark.multiproc
+def test_group_size_mismatch_fails_before_any_collective():
+    run_distributed(_group_size_mismatch, 2)

@@ -55,11 +55,27 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
     lr. Tolerances: 5e-5 on the loss, 10% of lr (1e-4) on parameters. A real bug (a wrong
     expert, a missed weighting, a stale route, a lost gradient) moves the first step's loss
     by >1e-3 and the parameters it touches by ~lr per step.
-    bfloat16 (DeepEP): rounding is 2^-8 relative per op: 5e-2 on the loss, lr on parameters.
+    bfloat16 (DeepEP): rounding is 2^-8 relative per op, and AdamW's early updates are
+    +-lr per element whatever the gradient's size, so a rounding-level sign flip of a tiny
+    gradient moves that element by up to 2*lr per step. The bf16 tolerances are therefore
+    taken from the data (see ``bf16_tolerances``): twice the difference between the two
+    runs that use none of moe_fn's options (all off and transformers), plus one bf16 step
+    of the loss; these defaults apply only without the transformers run.
     """
     if dtype == torch.float32:
         return 5e-5, 0.1 * LR
-    return 5e-2, LR
+    return 5e-2, 2 * LR * STEPS_FOR_BOUND
+
+
+STEPS_FOR_BOUND = 5  # the demo's default step count: bounds 2*lr drift per step
+
+
+def bf16_tolerances(runs) -> tuple[float, float]:
+    """"At most twice the error of plain same-precision computation": the spread between
+    the all-off run and transformers' own model, both bf16, is the noise floor."""
+    dl = max(abs(a - b) for a, b in zip(runs["all off"][0], runs["transformers"][0]))
+    dp, _ = _max_diff(runs["all off"][1], runs["transformers"][1])
+    return 2 * dl + 2.0 ** -8 * 5.0, 2 * dp + LR
 
 
 def build_model(seed: int, dtype: torch.dtype, device: torch.device):
@@ -245,6 +261,8 @@ def run(rank: int, world: int, args) -> int:
     ok = True
     if rank == 0:
         tol_loss, tol_param = tolerances(dtype)
+        if dtype != torch.float32 and "transformers" in runs:
+            tol_loss, tol_param = bf16_tolerances(runs)
         if args.tol is not None:
             tol_loss = tol_param = args.tol
         _say(rank, f"\nstep  {'all on':>12}  {'all off':>12}"
@@ -258,8 +276,8 @@ def run(rank: int, world: int, args) -> int:
             dp, where = _max_diff(base[1], runs[other][1])
             good = dl <= tol_loss and dp <= tol_param
             ok &= good
-            _say(rank, f"all on vs {other}: max |d loss| {dl:.3e} (tol {tol_loss:.0e}), "
-                       f"max |d param| {dp:.3e} (tol {tol_param:.0e}"
+            _say(rank, f"all on vs {other}: max |d loss| {dl:.3e} (tol {tol_loss:.1e}), "
+                       f"max |d param| {dp:.3e} (tol {tol_param:.1e}"
                        f"{', at ' + where if dp else ''})  {'OK' if good else 'FAIL'}")
         _say(rank, "PASS" if ok else "FAIL")
     return 0 if ok else 1

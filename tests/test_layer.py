@@ -232,9 +232,11 @@ def _ep_body(rank, world, tokens_per_rank):
         _ep_case(rank, world, kw, tokens_per_rank, 1234 + n)
 
 
+TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_expert_parallel_matches_single_process(world):
-    # World 4 includes a rank with no tokens of its own.
-    tokens = [5, 3, 0, 6] if world == 4 else [6, 4]
-    run_distributed(_ep_body, world, tokens)
+    # Worlds 4 and 8 include a rank with no tokens of its own.
+    run_distributed(_ep_body, world, TOKENS[world])

@@ -16,16 +16,13 @@ COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_ski
 class Pending:
     """A result whose communication may still be in flight: ``wait()`` finishes it once."""
 
-    def __init__(self, finish: Callable[[], Any], on_wait: Callable[[], None] | None = None):
+    def __init__(self, finish: Callable[[], Any]):
         self._finish = finish
-        self._on_wait = on_wait
         self._done = False
         self._value = None
 
     def wait(self):
         if not self._done:
-            if self._on_wait is not None:
-                self._on_wait()
             self._value = self._finish()
             self._done = True
             self._finish = None

@@ -166,3 +166,12 @@ def test_predicate_never_accepts_what_grouped_mm_refuses():
                              (dy, packed[:, dout:]), (dy.t(), x)]:
                     if grouped_mm_ok(a, b):
                         torch._grouped_mm(a, b, offs=offs)
+
+
+def test_zero_empty_groups_clears_exactly_the_experts_without_rows():
+    from moe_fn.pure.grouped import zero_empty_groups
+    dw = torch.randn(4, 3, 2)
+    offs = torch.tensor([2, 2, 5, 5], dtype=torch.int32)  # experts 1 and 3 own no rows
+    out = zero_empty_groups(dw, offs)
+    assert torch.equal(out[[0, 2]], dw[[0, 2]])
+    assert not out[[1, 3]].any()

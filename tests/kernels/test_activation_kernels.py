@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from moe_fn.kernels import activation as K  # noqa: E402
 from moe_fn.pure import activations as P  # noqa: E402
+from tests.kernels.tolerance import assert_close_to_ref  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -29,17 +30,6 @@ def _interp_required():
     if not K.interpreting():
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 before triton is imported")
 
-
-def assert_close_to_ref(kern, pure, ref64, name=""):
-    """``|kern - ref64| <= 2 |pure - ref64| + eps(dtype) * max|ref64|`` (max norms)."""
-    assert kern.shape == pure.shape == ref64.shape, name
-    assert kern.dtype == pure.dtype, name
-    if kern.numel() == 0:
-        return
-    err_k = (kern.double() - ref64).abs().max().item()
-    err_p = (pure.double() - ref64).abs().max().item()
-    step = torch.finfo(kern.dtype).eps * ref64.abs().max().item()
-    assert err_k <= 2 * err_p + step, f"{name}: kernel err {err_k} > 2 * {err_p} + {step}"
 
 
 def _consts(act):

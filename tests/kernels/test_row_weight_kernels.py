@@ -14,20 +14,10 @@ pytest.importorskip("triton")
 from moe_fn.kernels import row_weight as K  # noqa: E402
 from moe_fn.kernels.activation import interpreting  # noqa: E402
 from moe_fn.pure import row_weight as P  # noqa: E402
+from tests.kernels.tolerance import assert_close_to_ref  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-def assert_close_to_ref(kern, pure, ref64, name=""):
-    """``|kern - ref64| <= 2 |pure - ref64| + eps(dtype) * max|ref64|`` (max norms)."""
-    assert kern.shape == pure.shape == ref64.shape, name
-    assert kern.dtype == pure.dtype, name
-    if kern.numel() == 0:
-        return
-    err_k = (kern.double() - ref64).abs().max().item()
-    err_p = (pure.double() - ref64).abs().max().item()
-    step = torch.finfo(kern.dtype).eps * ref64.abs().max().item()
-    assert err_k <= 2 * err_p + step, f"{name}: kernel err {err_k} > 2 * {err_p} + {step}"
 
 
 @pytest.fixture(autouse=True)

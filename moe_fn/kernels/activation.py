@@ -259,16 +259,21 @@ def _w_args(weights, ref):
     return weights, weights.stride(0)
 
 
+def _operands(g, u, paired_src):
+    """Base pointers and (row, column) strides of gate and up: the views themselves, or
+    for the paired path the interleaved source both are read from in one tile."""
+    if paired_src is None:
+        return g, u, (*g.stride(), *u.stride())
+    return paired_src, paired_src, (paired_src.stride(0), 1, paired_src.stride(0), 1)
+
+
 def _fwd(g, u, weights, act_id, alpha, limit, *, paired_src=None):
     n, i = g.shape
     h = torch.empty((n, i), dtype=g.dtype, device=g.device)
     if n == 0 or i == 0:
         return h
     w, s_w = _w_args(weights, g)
-    gp = g if paired_src is None else paired_src
-    up = u if paired_src is None else paired_src
-    s_gr, s_gc = (gp.stride(0), 1) if paired_src is not None else g.stride()
-    s_ur, s_uc = (gp.stride(0), 1) if paired_src is not None else u.stride()
+    gp, up, (s_gr, s_gc, s_ur, s_uc) = _operands(g, u, paired_src)
     _launch(_act_fwd_kernel, _act_fwd_tuned, n, i,
             gp, up, w, h, n, i, s_gr, s_gc, s_ur, s_uc, s_w, h.stride(0),
             float(alpha), float(limit),
@@ -289,10 +294,7 @@ def _bwd(g, u, weights, dh, act_id, alpha, limit, *, dg, du, need_dw, paired_src
                                 or need_dw):
         return dw
     w, s_w = _w_args(weights, g)
-    gp = g if paired_src is None else paired_src
-    up = u if paired_src is None else paired_src
-    s_gr, s_gc = (gp.stride(0), 1) if paired_src is not None else g.stride()
-    s_ur, s_uc = (gp.stride(0), 1) if paired_src is not None else u.stride()
+    gp, up, (s_gr, s_gc, s_ur, s_uc) = _operands(g, u, paired_src)
     out0 = paired_out if paired_out is not None else (dg if dg is not None else g)
     out1 = du if du is not None else g
     s_dgr = out0.stride(0)

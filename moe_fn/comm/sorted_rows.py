@@ -38,6 +38,11 @@ def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tenso
     return src_start[s * e_local + e] + within
 
 
+def _without(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """``t`` without the slice ``[a, b)``."""
+    return torch.cat([t[:a], t[b:]])
+
+
 def _inverse(order: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
@@ -225,8 +230,6 @@ class AllToAllExchange(SortedRowsExchange):
         # Home side: own slice [a, b) of the sorted rows stays; the rest is sent.
         a = sum(send_splits[:r])
         b = a + send_splits[r]
-        keep = torch.ones(plan.perm.numel(), dtype=torch.bool, device=dev)
-        keep[a:b] = False
         sorted_pos = plan.inv_perm  # flattened (t, j) -> sorted position
         n_remote_home = plan.perm.numel() - (b - a)
         home_order = torch.where(sorted_pos < a, sorted_pos,
@@ -236,19 +239,20 @@ class AllToAllExchange(SortedRowsExchange):
         dst_of_src = _inverse(_expert_major_order(recv_counts, n))
         sa = sum(recv_splits[:r])
         sb = sa + recv_splits[r]
-        src = torch.arange(n, device=dev)
-        remote_src = src[(src < sa) | (src >= sb)]
         own_rows = send_splits[r]
         send_splits[r] = recv_splits[r] = 0
         n_recv = n - own_rows
+        # Slices with host-known bounds, not boolean masks: a mask index would sync again.
+        recv_dst = _without(dst_of_src, sa, sb)
         expert_src = torch.empty(n, dtype=torch.int64, device=dev)
-        expert_src[dst_of_src[remote_src]] = torch.arange(n_recv, device=dev)
+        expert_src[recv_dst] = torch.arange(n_recv, device=dev)
         expert_src[dst_of_src[sa:sa + own_rows]] = n_recv + torch.arange(own_rows, device=dev)
         return _make_handle(
             plan, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             expert_src=expert_src,
-            remote_tokens=plan.token_of_sorted[keep], remote_flat=plan.perm[keep],
+            remote_tokens=_without(plan.token_of_sorted, a, b),
+            remote_flat=_without(plan.perm, a, b),
             self_tokens=plan.token_of_sorted[a:b], self_flat=plan.perm[a:b],
-            self_dst=dst_of_src[sa:sa + own_rows], recv_dst=dst_of_src[remote_src],
+            self_dst=dst_of_src[sa:sa + own_rows], recv_dst=recv_dst,
             home_order=home_order, local_offs=torch.cumsum(recv_counts.sum(0), 0).to(
                 torch.int32), num_rows=n)

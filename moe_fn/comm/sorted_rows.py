@@ -13,12 +13,9 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..pure.dispatch import gather_sum_fwd
 from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -108,12 +105,9 @@ class SortedRowsExchange(Exchange):
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:
         """Each token's k rows ``src[order]`` summed (float32 accumulation), with no atomics:
-        one fused gather-and-sum kernel, or a gather and a reduction over a reshaped view."""
-        if self.fused_combine:
-            return kernels.gather_sum_fwd(src, order, plan.top_k)[0]
-        t, k = plan.num_tokens, plan.top_k
-        tk = src.index_select(0, order).reshape(t, k, src.shape[-1])
-        return tk.sum(dim=1, dtype=_acc_dtype(tk.dtype)).to(src.dtype)
+        the fused gather-sum kernel, or its pure twin (a gather and a reduction)."""
+        impl = kernels.gather_sum_fwd if self.fused_combine else gather_sum_fwd
+        return impl(src, order, plan.top_k)[0]
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):

@@ -230,8 +230,7 @@ def gather_sum_fwd(rows, index, top_k: int):
     _check_top_k(top_k)
     t = index.numel() // top_k
     g = rows.index_select(0, index).reshape(t, top_k, rows.shape[-1])
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    out = g.sum(dim=1, dtype=acc).to(rows.dtype)
+    out = g.sum(dim=1, dtype=compute_dtype(rows.dtype)).to(rows.dtype)
     return out, GatherSumRes(index, rows.shape[0], top_k)
 
 

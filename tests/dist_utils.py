@@ -17,6 +17,9 @@ def _entry(rank, world, init_file, fn, args):
                             world_size=world)
     try:
         fn(rank, world, *args)
+        # No rank tears gloo down while a peer's last transfer may still be in flight
+        # (seen once as "terminate called without an active exception" at exit).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -20,6 +20,19 @@ from ..pure import row_weight as _pr
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# The ops' plain Python bodies by op name. Eager callers use these directly: going through
+# the dispatcher costs tens of microseconds of host time per call, which a layer forward
+# (launch-bound at training sizes) pays on its critical path. Compiled code uses the ops.
+EAGER = {}
+
+
+def _custom_op(name: str):
+    def register(fn):
+        EAGER[name] = fn
+        return torch.library.custom_op(f"moe_fn::{name}", mutates_args=())(fn)
+    return register
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op with input ``t`` runs the Triton kernel (CUDA, non-float64)."""
     return t.is_cuda and t.dtype in _KERNEL_DTYPES
@@ -46,7 +59,7 @@ def _dw_dtype(weights, ref):
 # ----------------------------------------------------------------------------- swiglu
 
 
-@torch.library.custom_op("moe_fn::swiglu_fwd", mutates_args=())
+@_custom_op("swiglu_fwd")
 def swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
                   act_id: int, alpha: float, limit: float) -> torch.Tensor:
     _pa.check_swiglu_args(gate, up, weights)
@@ -64,7 +77,7 @@ def _(gate, up, weights, act_id, alpha, limit):
     return gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("moe_fn::swiglu_bwd", mutates_args=())
+@_custom_op("swiglu_bwd")
 def swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None,
                   dh: torch.Tensor, act_id: int, alpha: float, limit: float,
                   need_gate: bool, need_up: bool, need_weights: bool
@@ -97,7 +110,7 @@ def _(gate, up, weights, dh, act_id, alpha, limit, need_gate, need_up, need_weig
     return dg, du, dw
 
 
-@torch.library.custom_op("moe_fn::swiglu_packed_fwd", mutates_args=())
+@_custom_op("swiglu_packed_fwd")
 def swiglu_packed_fwd_op(gate_up: torch.Tensor, weights: torch.Tensor | None, act_id: int,
                          alpha: float, limit: float, layout_id: int) -> torch.Tensor:
     _pa.check_swiglu_packed_args(gate_up, weights)
@@ -117,7 +130,7 @@ def _(gate_up, weights, act_id, alpha, limit, layout_id):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-@torch.library.custom_op("moe_fn::swiglu_packed_bwd", mutates_args=())
+@_custom_op("swiglu_packed_bwd")
 def swiglu_packed_bwd_op(gate_up: torch.Tensor, weights: torch.Tensor | None,
                          dh: torch.Tensor, act_id: int, alpha: float, limit: float,
                          layout_id: int, need_gate_up: bool, need_weights: bool
@@ -152,7 +165,7 @@ def _(gate_up, weights, dh, act_id, alpha, limit, layout_id, need_gate_up, need_
 # ----------------------------------------------------------------------------- row weighting
 
 
-@torch.library.custom_op("moe_fn::row_weight_fwd", mutates_args=())
+@_custom_op("row_weight_fwd")
 def row_weight_fwd_op(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     _pr.check_row_weight_args(rows, weights)
     if use_triton(rows):
@@ -169,7 +182,7 @@ def _(rows, weights):
     return rows.new_empty(rows.shape)
 
 
-@torch.library.custom_op("moe_fn::row_weight_bwd", mutates_args=())
+@_custom_op("row_weight_bwd")
 def row_weight_bwd_op(rows: torch.Tensor, weights: torch.Tensor, d_out: torch.Tensor,
                       need_rows: bool, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _pr.check_row_weight_args(rows, weights)
@@ -196,7 +209,7 @@ def _(rows, weights, d_out, need_rows, need_weights):
 # ----------------------------------------------------------------------------- gather_sum
 
 
-@torch.library.custom_op("moe_fn::gather_sum", mutates_args=())
+@_custom_op("gather_sum")
 def gather_sum_op(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
     if index.dim() != 1 or index.numel() % top_k:
         raise ValueError(f"index must be 1-D with a multiple of top_k={top_k} entries, got "
@@ -211,4 +224,24 @@ def gather_sum_op(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.
 
 @gather_sum_op.register_fake
 def _(rows, index, top_k):
+    return rows.new_empty((index.shape[0] // top_k, rows.shape[1]))
+
+
+@_custom_op("weighted_gather_sum")
+def weighted_gather_sum_op(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                           top_k: int) -> torch.Tensor:
+    if index.dim() != 1 or index.numel() % top_k or weights.shape != index.shape:
+        raise ValueError(f"index and weights must be 1-D with one entry per routed row (a "
+                         f"multiple of top_k={top_k}), got {tuple(index.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if use_triton(rows):
+        from . import gather_sum
+
+        return gather_sum.launch_gather_sum(rows, index, top_k, weights)
+    out, _ = _pd.weighted_gather_sum_fwd(rows, index, weights, top_k)
+    return out.contiguous()
+
+
+@weighted_gather_sum_op.register_fake
+def _(rows, index, weights, top_k):
     return rows.new_empty((index.shape[0] // top_k, rows.shape[1]))

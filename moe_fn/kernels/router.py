@@ -1,0 +1,145 @@
+"""Triton kernel of the router forward (``moe_fn.pure.router.router_fwd`` is the contract),
+no expert groups: scores, biased choice, top-k, gather, normalise and scale in ONE launch
+instead of ~15 small ops. One program owns ``BLOCK_T`` token rows and all E experts
+(``BLOCK_E = next_power_of_2(E)`` columns, masked); math is float32.
+
+Top-k is k rounds of "largest, ties to the lower index, then mask it out", which lists the
+experts exactly as ``torch.sort(descending=True, stable=True)`` does. The comparisons run
+on an int32 order key of the float bits, so NaN (canonicalised) sorts above +inf and equal
+values, -0.0 and +0.0 included, compare equal, as in torch.sort.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..pure.router import NORM_EPS
+from .activation import interpreting
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Elements per program (BLOCK_T * BLOCK_E): enough rows to fill the warps for small E.
+_TILE = 4096
+_KEY_MIN = tl.constexpr(-2147483648)  # below every real key (-inf gives 0x807FFFFF)
+_NORM_EPS = tl.constexpr(NORM_EPS)  # jit code reads only constexpr globals
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    # tl.exp is ex2.approx on NVIDIA; libdevice expf is what torch's CUDA kernels call, so the
+    # scores (and hence near-tie choices) match torch. The interpreter has no libdevice.
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _order_key(c):
+    """int32 key, monotone in the float order with every NaN largest and -0.0 == +0.0."""
+    bits = c.to(tl.int32, bitcast=True)
+    bits = tl.where(c != c, 0x7FC00000, bits)  # one NaN: all NaNs tie, as in torch.sort
+    bits = tl.where(c == 0.0, 0, bits)  # -0.0 == +0.0 in torch.sort: same key
+    # Negative floats: flip the magnitude bits so a larger magnitude gives a smaller key.
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _router_fwd_kernel(x_ptr, bias_ptr, idx_ptr, raw_ptr, w_ptr, scores_ptr,
+                       T, E, s_xr, s_xc, scale,
+                       K: tl.constexpr, KP: tl.constexpr, SCORE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PRECISE: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+    # other=0.0 keeps the padded rows finite (no stores there); padded columns are masked.
+    x = tl.load(x_ptr + rows[:, None] * s_xr + cols[None, :] * s_xc, mask=m2, other=0.0)
+    x = x.to(tl.float32)
+
+    if SCORE == 0:
+        xm = tl.where(cmask[None, :], x, float("-inf"))
+        mx = tl.max(xm, axis=1)
+        e = tl.where(cmask[None, :], _exp(xm - mx[:, None], PRECISE), 0.0)
+        # div_rn: Triton's "/" is the approximate div.full.f32; torch divides exactly.
+        s = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
+        tl.store(scores_ptr + rows[:, None] * E + cols[None, :], s, mask=m2)
+    elif SCORE == 1:
+        s = tl.div_rn(1.0, 1.0 + _exp(-x, PRECISE))  # torch's formula
+    else:
+        s = x
+
+    if HAS_BIAS:
+        c = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    else:
+        c = s
+    key = tl.where(cmask[None, :], _order_key(c), _KEY_MIN)
+
+    kcols = tl.arange(0, KP)
+    idx_t = tl.zeros((BLOCK_T, KP), dtype=tl.int32)
+    raw_t = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    for j in range(K):
+        kmax = tl.max(key, axis=1)
+        # The lowest column holding the row's largest key: ties go to the lower index.
+        pick = tl.min(tl.where(key == kmax[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == pick[:, None]
+        # -0.0 is the identity of + for every float (also -0.0 and NaN): an exact gather.
+        v = tl.sum(tl.where(hit, s, -0.0), axis=1)
+        key = tl.where(hit, _KEY_MIN, key)
+        here = kcols[None, :] == j
+        idx_t = tl.where(here, pick[:, None], idx_t)
+        raw_t = tl.where(here, v[:, None], raw_t)
+
+    kmask = kcols < K
+    if SCORE == 2:
+        # softmax over the k chosen logits (GPT-OSS).
+        rm = tl.where(kmask[None, :], raw_t, float("-inf"))
+        mk = tl.max(rm, axis=1)
+        ek = tl.where(kmask[None, :], _exp(rm - mk[:, None], PRECISE), 0.0)
+        raw_t = tl.div_rn(ek, tl.sum(ek, axis=1)[:, None])
+    w_t = raw_t
+    if NORM:
+        den = tl.sum(tl.where(kmask[None, :], w_t, 0.0), axis=1)[:, None] + _NORM_EPS
+        w_t = tl.div_rn(w_t, den)
+    w_t = w_t * scale
+
+    mk2 = rmask[:, None] & kmask[None, :]
+    offs = rows[:, None] * K + kcols[None, :]
+    tl.store(idx_ptr + offs, idx_t.to(tl.int64), mask=mk2)
+    tl.store(raw_ptr + offs, raw_t, mask=mk2)
+    tl.store(w_ptr + offs, w_t, mask=mk2)
+
+
+def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *, top_k: int,
+                      score_id: int, norm: bool, scale: float):
+    """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``); arguments
+    already validated (``top_k <= E``). Returns ``(topk_idx int64 (T, k), w fp32 (T, k),
+    scores fp32 (T, E) for softmax else None, raw fp32 (T, k))``."""
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"router kernel takes float16/bfloat16/float32 logits, got {logits.dtype}")
+    t, e = logits.shape
+    dev = logits.device
+    idx = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    raw = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    scores = (torch.empty((t, e), dtype=torch.float32, device=dev) if score_id == 0 else None)
+    if t == 0:
+        return idx, w, scores, raw
+    # The pure path adds bias.to(float32): the same rounding here.
+    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(64, _TILE // block_e, triton.next_power_of_2(t)))
+    grid = (triton.cdiv(t, block_t),)
+    _router_fwd_kernel[grid](
+        logits, b if b is not None else raw, idx, raw, w, scores if scores is not None else raw,
+        t, e, logits.stride(0), logits.stride(1), float(scale),
+        K=top_k, KP=triton.next_power_of_2(top_k), SCORE=score_id, HAS_BIAS=b is not None,
+        NORM=bool(norm), PRECISE=not interpreting(), BLOCK_T=block_t, BLOCK_E=block_e,
+        num_warps=4 if block_t * block_e >= 2048 else 2)
+    return idx, w, scores, raw

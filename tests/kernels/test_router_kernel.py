@@ -1,0 +1,162 @@
+"""The fused router kernel against the pure ``router_fwd`` (the contract), under the Triton
+interpreter on CPU: indices exactly equal (ties, NaN, inf included), values within rounding;
+and the ``moe_fn.kernels.router_fwd`` wrapper's dispatch and checks."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import moe_fn.kernels as K
+from moe_fn.kernels.router import launch_router_fwd
+from moe_fn.pure.router import SCORE_FUNCS, SCORE_ID, router_fwd
+
+# The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAN, INF = float("nan"), float("inf")
+# float32 rounding only (summation order, division): a few ulps, never a different value.
+TOL = {"rtol": 1e-6, "atol": 1e-7, "equal_nan": True}
+
+
+def _logits(t, e, dtype=torch.float32, seed=0):
+    """Random rows, then rows of exact ties, NaN, inf and signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=g) * 3
+    x[0] = 0.0                                                   # all tied
+    x[1] = torch.randint(-2, 3, (e,), generator=g).float()       # many ties
+    x[2, ::2] = 1.5                                              # tied maximum
+    x[3, e // 2] = NAN                                           # NaN sorts first
+    x[4, 1] = INF
+    if t > 5:
+        x[5, :] = -INF
+        x[5, e - 1] = 0.0
+    if t > 6:
+        x[6] = 0.0
+        x[6, ::3] = -0.0                                         # -0.0 ties +0.0
+    if t > 7:
+        x[7, ::2] = NAN                                          # NaN ties NaN,
+        x[7, 1::4] = -NAN                                        # sign and payload aside
+        x[7, 3::8] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)
+    return x.to(dtype)
+
+
+def _run_both(x, bias, *, top_k, score_func, norm, scale):
+    with warnings.catch_warnings():
+        # numpy (the interpreter) warns on the NaN/inf rows; torch does not.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = launch_router_fwd(x.to(DEV), None if bias is None else bias.to(DEV),
+                                top_k=top_k, score_id=SCORE_ID[score_func], norm=norm,
+                                scale=scale)
+    (idx, w), res = router_fwd(x, bias, top_k=top_k, score_func=score_func,
+                               norm_topk_prob=norm, routed_scaling_factor=scale)
+    return [None if v is None else v.cpu() for v in got], (idx, w, res)
+
+
+def _assert_matches(got, want):
+    g_idx, g_w, g_scores, g_raw = got
+    idx, w, res = want
+    assert g_idx.dtype == torch.int64 and g_w.dtype == g_raw.dtype == torch.float32
+    assert torch.equal(g_idx, idx), (g_idx, idx)
+    torch.testing.assert_close(g_raw, res.topk_raw, **TOL)
+    torch.testing.assert_close(g_w, w, **TOL)
+    if res.scores is None:
+        assert g_scores is None
+    else:
+        torch.testing.assert_close(g_scores, res.scores, **TOL)
+
+
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("e,top_k", [(6, 1), (6, 2), (6, 6), (60, 2), (60, 8), (64, 1),
+                                     (16, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_pure(score_func, e, top_k, with_bias):
+    x = _logits(13, e, seed=e + top_k)
+    g = torch.Generator().manual_seed(1)
+    # Quantised bias: ties in the biased choice too.
+    bias = (torch.randint(-2, 3, (e,), generator=g) * 0.25) if with_bias else None
+    for norm, scale in ((False, 1.0), (True, 2.5)):
+        got, want = _run_both(x, bias, top_k=top_k, score_func=score_func, norm=norm,
+                              scale=scale)
+        _assert_matches(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+def test_kernel_half_logits(dtype, score_func):
+    x = _logits(9, 60, dtype=dtype, seed=3)
+    bias = torch.randn(60, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got, want = _run_both(x, bias, top_k=4, score_func=score_func, norm=True, scale=1.5)
+    _assert_matches(got, want)
+
+
+def test_kernel_strided_logits_and_many_blocks():
+    # Column stride 2 and a row stride of 2E; T spans several row blocks for E=256.
+    wide = torch.randn(33, 2 * 256, generator=torch.Generator().manual_seed(4))
+    x = wide[:, ::2]
+    bias = torch.randn(256, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    for score_func in SCORE_FUNCS:
+        got, want = _run_both(x, bias, top_k=8, score_func=score_func, norm=True, scale=2.0)
+        _assert_matches(got, want)
+
+
+def test_kernel_no_tokens():
+    idx, w, scores, raw = launch_router_fwd(torch.zeros(0, 6, device=DEV), None, top_k=2,
+                                            score_id=0, norm=False, scale=1.0)
+    assert idx.shape == w.shape == raw.shape == (0, 2) and scores.shape == (0, 6)
+
+
+def test_kernel_rejects_float64():
+    with pytest.raises(TypeError, match="float16/bfloat16/float32"):
+        launch_router_fwd(torch.zeros(2, 4, dtype=torch.float64), None, top_k=1, score_id=0,
+                          norm=False, scale=1.0)
+
+
+def test_wrapper_cpu_is_pure():
+    x = _logits(7, 8)
+    bias = torch.randn(8)
+    for kw in ({}, {"score_func": "sigmoid", "norm_topk_prob": True},
+               {"n_group": 2, "topk_group": 1, "score_func": "sigmoid"}):
+        (i1, w1), r1 = K.router_fwd(x, bias, top_k=2, routed_scaling_factor=2.0, **kw)
+        (i2, w2), r2 = router_fwd(x, bias, top_k=2, routed_scaling_factor=2.0, **kw)
+        assert torch.equal(i1, i2)
+        for a, b in ((w1, w2), (r1.topk_raw, r2.topk_raw), (r1.scores, r2.scores)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        assert r1[3:] == r2[3:]
+
+
+@pytest.mark.parametrize("args,kw", [
+    ((torch.zeros(3, 4),), {"top_k": 5}),
+    ((torch.zeros(3, 4),), {"top_k": 1, "score_func": "relu"}),
+    ((torch.zeros(3, 4),), {"top_k": 1, "routed_scaling_factor": 0.0}),
+    ((torch.zeros(3, 4), torch.zeros(5)), {"top_k": 1}),
+    ((torch.zeros(3, 4, dtype=torch.int32),), {"top_k": 1}),
+    ((torch.zeros(3, 4),), {"top_k": 1, "n_group": 3}),
+    ((torch.zeros(3, 4),), {"top_k": 1, "topk_idx": torch.zeros(3, 2, dtype=torch.int64)}),
+])
+def test_wrapper_raises_like_pure(args, kw):
+    args = tuple(a.to(DEV) for a in args)
+    with pytest.raises((TypeError, ValueError)) as want:
+        router_fwd(*args, **kw)
+    with pytest.raises(want.type, match=re.escape(str(want.value))):
+        K.router_fwd(*args, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+def test_wrapper_cuda_runs_kernel(score_func):
+    x = _logits(1000, 128, seed=7).cuda()
+    bias = torch.randn(128, device="cuda")
+    (i1, w1), r1 = K.router_fwd(x, bias, top_k=8, score_func=score_func, norm_topk_prob=True,
+                                routed_scaling_factor=2.5)
+    (i2, w2), r2 = router_fwd(x, bias, top_k=8, score_func=score_func, norm_topk_prob=True,
+                              routed_scaling_factor=2.5)
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(w1, w2, **TOL)
+    torch.testing.assert_close(r1.topk_raw, r2.topk_raw, **TOL)
+    if r2.scores is not None:
+        torch.testing.assert_close(r1.scores, r2.scores, **TOL)
+    assert r1[3:] == r2[3:]

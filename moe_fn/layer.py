@@ -7,13 +7,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import functional
+from . import functional, kernels
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
-from .pure.dispatch import layout
 from .records import RoutePlan
 from .replay import current_region
 
@@ -44,9 +43,9 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
 def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
     topk_idx = topk_idx.contiguous()  # DeepEP reads it as a dense (T, k) array
     with torch.no_grad():
-        counts, _offs, perm, inv_perm = layout(topk_idx, num_experts)
-    return RoutePlan(topk_idx=topk_idx, counts=counts, perm=perm, inv_perm=inv_perm,
-                     num_experts=num_experts, top_k=topk_idx.shape[1])
+        counts, offs, perm, inv_perm, tokens = kernels.layout_with_tokens(topk_idx, num_experts)
+    return RoutePlan(topk_idx=topk_idx, counts=counts, perm=perm, inv_perm=inv_perm, offs=offs,
+                     token_of_sorted=tokens, num_experts=num_experts, top_k=topk_idx.shape[1])
 
 
 class MoERouter(nn.Module):
@@ -182,22 +181,27 @@ class MoELayer(nn.Module):
             slot = WeightGradSlot()
             overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
                        *self._expert_biases())
+        skip = entry is not None and region.reentrant and c.skip_recompute_combine
+        # Post-expert weights go into the combine's sum at home when the exchange brings
+        # rows home one by one: they need not travel, and no separate weighting pass runs.
+        # The skipped combine keeps the expert-side weighting (its backward needs the rows).
+        home_w = c.score_apply == "post" and self.exchange.home_weighting and not skip
+        sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
-            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange,
+            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange,
                                                  self.exchange.layout(plan), False, *overlap)
             if region is not None:
                 region.record(self, plan, handle)
         else:
-            rows, row_w, handle = Dispatch.apply(x2, w, self.exchange, entry.handle, True,
+            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, entry.handle, True,
                                                  *overlap)
-        skip = entry is not None and region.reentrant and c.skip_recompute_combine
-        y = self.expert_compute(rows, row_w, handle.local_offs, post_weighting=not skip,
-                                slot=slot)
+        y = self.expert_compute(rows, row_w, handle.local_offs,
+                                post_weighting=not (skip or home_w), slot=slot)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")
         else:
-            out = Combine.apply(y, self.exchange, handle)
+            out = Combine.apply(y, self.exchange, handle, w if home_w else None)
         out = out.reshape(shape)
         return (out, logits) if return_router_logits else out

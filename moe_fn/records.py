@@ -20,23 +20,22 @@ class RoutePlan:
     ``perm``: (T*k,) int64, a stable sort of the flattened rows ``t*k + j`` by expert:
     ``perm[i]`` is the flattened row at sorted position ``i``.
     ``inv_perm``: (T*k,) int64 inverse of ``perm``.
+    ``offs``: (E,) int32 cumulative row ends per global expert (``cumsum(counts)``).
+    ``token_of_sorted``: (T*k,) int64 token of each expert-sorted row (``perm // top_k``).
     """
 
     topk_idx: torch.Tensor
     counts: torch.Tensor
     perm: torch.Tensor
     inv_perm: torch.Tensor
+    offs: torch.Tensor
+    token_of_sorted: torch.Tensor
     num_experts: int
     top_k: int
 
     @property
     def num_tokens(self) -> int:
         return self.topk_idx.shape[0]
-
-    @property
-    def token_of_sorted(self) -> torch.Tensor:
-        """(T*k,) int64 token of each expert-sorted row."""
-        return self.perm // self.top_k
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -131,7 +131,7 @@ def test_biases_are_parameters_and_need_post_weighting():
 def test_counters_one_of_each_per_forward():
     cfg = _cfg()
     layer = MoELayer(cfg)
-    layer(torch.randn(7, 8)).sum().backward()
+    layer(torch.randn(7, 8, requires_grad=True)).sum().backward()
     c = layer.exchange.counters
     assert (c["layout"], c["dispatch"], c["cached_dispatch"], c["combine"]) == (1, 1, 0, 1)
     assert (c["dispatch_backward"], c["combine_backward"]) == (1, 1)

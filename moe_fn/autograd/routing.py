@@ -7,7 +7,7 @@ import torch
 from .. import kernels
 from ..comm.base import sm_carveout
 from ..pure.experts import experts_bwd_weight
-from ..pure.router import RouterRes, router_bwd, router_fwd
+from ..pure.router import RouterRes, router_bwd
 from ..pure.row_weight import RowWeightRes, row_weight_bwd
 from ._common import contiguous_grad, refuse_double_backward
 
@@ -18,11 +18,11 @@ class Router(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, bias, top_k, score_func, norm_topk_prob, n_group, topk_group,
                 group_score, routed_scaling_factor, replay_idx):
-        (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
-                                   norm_topk_prob=norm_topk_prob, n_group=n_group,
-                                   topk_group=topk_group, group_score=group_score,
-                                   routed_scaling_factor=routed_scaling_factor,
-                                   topk_idx=replay_idx)
+        # One fused Triton launch on CUDA (no groups, no replay); the pure pair otherwise.
+        (idx, w), res = kernels.router_fwd(
+            logits, bias, top_k=top_k, score_func=score_func, norm_topk_prob=norm_topk_prob,
+            n_group=n_group, topk_group=topk_group, group_score=group_score,
+            routed_scaling_factor=routed_scaling_factor, topk_idx=replay_idx)
         ctx.has_scores = res.scores is not None
         saved = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
         ctx.save_for_backward(*saved)
@@ -88,18 +88,30 @@ class Dispatch(torch.autograd.Function):
 
 
 class Combine(torch.autograd.Function):
-    """Expert rows back to their tokens, summed over k; backward is a cached dispatch."""
+    """Expert rows back to their tokens, summed over k; backward is a cached dispatch.
+
+    With ``weights (T, k)`` (exchanges with ``home_weighting``) the sum is weighted at
+    home and the backward also returns the weights' gradient."""
 
     @staticmethod
-    def forward(ctx, rows, exchange, handle):
-        out, _ = exchange.combine_fwd(rows, handle)
+    def forward(ctx, rows, exchange, handle, weights=None):
         ctx.exchange, ctx.handle = exchange, handle
+        ctx.weighted = weights is not None
+        if not ctx.weighted:
+            return exchange.combine_fwd(rows, handle)[0]
+        out, src = exchange.combine_weighted_fwd(rows, weights, handle)
+        ctx.save_for_backward(src, weights)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         refuse_double_backward("Combine")
-        return ctx.exchange.combine_bwd(ctx.handle, contiguous_grad(d_out)), None, None
+        d_out = contiguous_grad(d_out)
+        if not ctx.weighted:
+            return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None
+        src, weights = ctx.saved_tensors
+        d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
+        return d_rows, None, None, d_w
 
 
 class SkippedCombine(torch.autograd.Function):

@@ -46,10 +46,18 @@ class Exchange:
       over k (weights are applied on the expert side, so the sum is unweighted).
     - ``combine_bwd(res, d_out) -> d_rows``: a cached dispatch of the output gradient.
 
+    Exchanges whose rows come home one by one (``home_weighting = True``: local and
+    all_to_all) also offer ``combine_weighted_fwd(rows, weights, handle) -> (out, saved)``
+    and ``combine_weighted_bwd(handle, d_out, weights, saved) -> (d_rows, d_weights)``: the
+    routing weights applied at home inside the sum, so they never travel to the experts and
+    the expert-side weighting pass disappears. DeepEP sums on the expert side, so its
+    weights must be applied before its combine.
+
     ``counters`` counts each of these so tests and users can see what ran.
     """
 
     backend: str = "?"
+    home_weighting: bool = False
 
     def __init__(self, *, num_experts: int, ep_size: int = 1, rank: int = 0, group=None):
         if num_experts % ep_size:

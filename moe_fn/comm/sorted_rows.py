@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pure.dispatch import gather_sum_fwd
+from ..pure.dispatch import gather_sum_fwd, weighted_gather_sum_bwd, weighted_gather_sum_fwd
 from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
 
@@ -54,6 +54,7 @@ class SortedRowsExchange(Exchange):
     """
 
     fused_combine = False
+    home_weighting = True
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         raise NotImplementedError
@@ -154,6 +155,49 @@ class SortedRowsExchange(Exchange):
         self.counters["combine_backward"] += 1
         return self._to_experts(d_out, handle, async_op=True)()
 
+    # ---- combine with the routing weights applied at home ----------------------------------
+    def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle):
+        """``out[t] = sum_j w[t, j] * row(t, j)``; returns ``(out, src)``, ``src`` being the
+        returned rows in home-buffer order (the backward's ``d_weights`` needs them)."""
+        self.counters["combine"] += 1
+        src, order = self._to_home(rows, handle, async_op=True)()
+        impl = kernels.weighted_gather_sum_fwd if self.fused_combine else weighted_gather_sum_fwd
+        return impl(src, order, weights.reshape(-1), handle.plan.top_k)[0], src
+
+    def combine_weighted_bwd(self, handle: SortedRowsHandle, d_out, weights, src):
+        """``(d_rows (N, H) in expert order, d_weights (T, k))``: each returning row's
+        gradient is its token's output gradient times its weight, built in one pass at home
+        and sent as a cached dispatch sends token rows."""
+        self.counters["combine_backward"] += 1
+        plan = handle.plan
+        k = plan.top_k
+        w = weights.reshape(-1)
+        if handle.self_dst is None:  # one rank: home-buffer order is expert order
+            d_rows, _, d_w = self._weighted_bwd(d_out, src, plan.perm, w, k)
+            return d_rows, d_w.reshape(plan.num_tokens, k)
+        flat = handle.flat
+        pos_to_row = torch.cat([flat.remote_tokens, flat.self_tokens])
+        n_recv = sum(handle.recv_splits)
+        buf = src.new_empty((handle.num_rows, src.shape[1]))
+        # The own rows' gradients land straight in the receive buffer's tail.
+        send, _, d_w = self._weighted_bwd(d_out, src, pos_to_row, w, k,
+                                          split=flat.remote_tokens.numel(),
+                                          hi_out=buf[n_recv:])
+        _, work = self._exchange(send, handle.send_splits, handle.recv_splits,
+                                 async_op=True, out=buf[:n_recv])
+        if work is not None:
+            work.wait()
+        return buf.index_select(0, handle.expert_src), d_w.reshape(plan.num_tokens, k)
+
+    def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None):
+        if self.fused_combine:
+            return kernels.weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k, split=split,
+                                                   hi_out=hi_out)
+        d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
+        split = d_rows.shape[0] if split is None else split
+        hi = d_rows[split:] if hi_out is None else hi_out.copy_(d_rows[split:])
+        return d_rows[:split], hi, d_w
+
 
 def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:
     """The handle's moves re-indexed for (T*k, ...) inputs with one row per (token, k)."""
@@ -174,7 +218,7 @@ class LocalExchange(SortedRowsExchange):
 
     def _layout_counts(self, plan):
         n = plan.perm.numel()
-        offs = torch.cumsum(plan.counts, 0).to(torch.int32)
+        offs = plan.offs
         return _make_handle(plan, send_splits=(0,), recv_splits=(0,), remote_tokens=None,
                             expert_src=None,
                             self_tokens=plan.token_of_sorted, self_flat=plan.perm,

@@ -6,27 +6,39 @@ They call the ``torch.ops.moe_fn.*`` custom ops (see ``_registry``): CUDA tensor
 float16/bfloat16/float32 run the Triton kernels, everything else the pure pair.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
-``row_weight_fwd``, ``row_weight_bwd``. The explicit Triton launchers (any device; CPU
+``row_weight_fwd``, ``row_weight_bwd``. ``router_fwd`` is a plain function (no custom op):
+its Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
 under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and
-``moe_fn.kernels.row_weight.launch_*``.
+``moe_fn.kernels.row_weight.launch_*``. ``layout`` and ``layout_with_tokens`` are plain
+functions too: three Triton launches for CUDA ``topk_idx`` in eager mode
+(``moe_fn.kernels.dispatch_layout.launch_layout``), the pure ``layout`` elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..pure import dispatch as _pure_dispatch
+from ..pure import router as _pure_router
 from ..pure.activations import SwigluPackedRes, SwigluRes
 from ..pure.row_weight import RowWeightRes
-from . import _registry  # noqa: F401  (registers the ops)
+from . import _registry
 from ._registry import use_triton
+from .dispatch_layout import launch_layout as _launch_layout
+from .router import launch_router_fwd
 
 __all__ = [
     "gather_sum_fwd",
+    "layout",
+    "layout_with_tokens",
+    "weighted_gather_sum_bwd",
+    "weighted_gather_sum_fwd",
     "RowWeightRes",
     "SwigluPackedRes",
     "SwigluRes",
     "row_weight_bwd",
     "row_weight_fwd",
+    "router_fwd",
     "swiglu_bwd",
     "swiglu_fwd",
     "swiglu_packed_bwd",
@@ -37,16 +49,23 @@ __all__ = [
 _ops = torch.ops.moe_fn
 
 
+def _op(name: str):
+    """The op's body in eager mode (no dispatcher hop), the registered op under compile."""
+    if torch.compiler.is_compiling():
+        return getattr(_ops, name)
+    return _registry.EAGER[name]
+
+
 def swiglu_fwd(gate, up, weights=None, *, act_id: int, alpha: float, limit: float):
     """``h = act(gate, up) [* weights]``; gate, up ``(N, I)``, weights ``(N,)``."""
-    h = _ops.swiglu_fwd(gate, up, weights, act_id, alpha, limit)
+    h = _op("swiglu_fwd")(gate, up, weights, act_id, alpha, limit)
     return h, SwigluRes(gate, up, weights, act_id, alpha, limit)
 
 
 # h = act(g, u) * w:  dg = dh * w * da/dg,  du = dh * w * da/du,  dw = sum_j dh * act(g, u).
 def swiglu_bwd(res: SwigluRes, dh, *, needs=(True, True, True)):
     """Returns ``(d_gate, d_up, d_weights)``; ``d_weights`` is None without weights."""
-    dg, du, dw = _ops.swiglu_bwd(res.gate, res.up, res.weights, dh, res.act_id, res.alpha,
+    dg, du, dw = _op("swiglu_bwd")(res.gate, res.up, res.weights, dh, res.act_id, res.alpha,
                                  res.limit, bool(needs[0]), bool(needs[1]), bool(needs[2]))
     return (dg if needs[0] else None, du if needs[1] else None,
             dw if (needs[2] and res.weights is not None) else None)
@@ -55,13 +74,13 @@ def swiglu_bwd(res: SwigluRes, dh, *, needs=(True, True, True)):
 def swiglu_packed_fwd(gate_up, weights=None, *, act_id: int, alpha: float, limit: float,
                       layout_id: int):
     """``h = act(gate, up) [* weights]`` reading both halves of ``gate_up (N, 2I)`` in place."""
-    h = _ops.swiglu_packed_fwd(gate_up, weights, act_id, alpha, limit, layout_id)
+    h = _op("swiglu_packed_fwd")(gate_up, weights, act_id, alpha, limit, layout_id)
     return h, SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
 
 
 def swiglu_packed_bwd(res: SwigluPackedRes, dh, *, needs=(True, True)):
     """Returns ``(d_gate_up, d_weights)``, ``d_gate_up`` packed in the input's layout."""
-    dgu, dw = _ops.swiglu_packed_bwd(res.gate_up, res.weights, dh, res.act_id, res.alpha,
+    dgu, dw = _op("swiglu_packed_bwd")(res.gate_up, res.weights, dh, res.act_id, res.alpha,
                                      res.limit, res.layout_id, bool(needs[0]), bool(needs[1]))
     return (dgu if needs[0] else None,
             dw if (needs[1] and res.weights is not None) else None)
@@ -69,13 +88,13 @@ def swiglu_packed_bwd(res: SwigluPackedRes, dh, *, needs=(True, True)):
 
 def row_weight_fwd(rows, weights):
     """``out = rows * weights[:, None]``."""
-    out = _ops.row_weight_fwd(rows, weights)
+    out = _op("row_weight_fwd")(rows, weights)
     return out, RowWeightRes(rows, weights)
 
 
 # d_rows = d_out * w;  d_w = sum_j d_out * rows.
 def row_weight_bwd(res: RowWeightRes, d_out, *, needs=(True, True)):
-    d_rows, d_w = _ops.row_weight_bwd(res.rows, res.weights, d_out, bool(needs[0]),
+    d_rows, d_w = _op("row_weight_bwd")(res.rows, res.weights, d_out, bool(needs[0]),
                                       bool(needs[1]))
     return (d_rows if needs[0] else None), (d_w if needs[1] else None)
 
@@ -84,5 +103,90 @@ def gather_sum_fwd(rows, index, top_k: int):
     """``out[t] = sum_j rows[index[t*k + j]]`` in one pass (the fused combine)."""
     from ..pure.dispatch import GatherSumRes
 
-    out = _ops.gather_sum(rows, index, int(top_k))
+    out = _op("gather_sum")(rows, index, int(top_k))
     return out, GatherSumRes(index, rows.shape[0], int(top_k))
+
+
+def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
+               norm_topk_prob: bool = False, n_group: int = 1, topk_group: int = 1,
+               group_score: str = "top2_sum", routed_scaling_factor: float = 1.0,
+               topk_idx=None):
+    """``moe_fn.pure.router.router_fwd`` with its forward fused into one Triton launch.
+
+    The kernel runs for CUDA float16/bfloat16/float32 logits without expert groups or a
+    replayed ``topk_idx``, in eager mode; everything else returns the pure function. No
+    custom op: under ``torch.compile`` the pure code is traced (Inductor fuses it itself).
+    """
+    pure = _pure_router
+    if (n_group != 1 or topk_idx is not None or torch.compiler.is_compiling()
+            or not isinstance(logits, torch.Tensor) or not use_triton(logits)):
+        return pure.router_fwd(logits, bias, top_k=top_k, score_func=score_func,
+                               norm_topk_prob=norm_topk_prob, n_group=n_group,
+                               topk_group=topk_group, group_score=group_score,
+                               routed_scaling_factor=routed_scaling_factor, topk_idx=topk_idx)
+    # The pure function's checks, so both paths raise the same errors.
+    pure.check_router_args(logits, bias)
+    num_experts = logits.shape[1]
+    pure.router_validate(num_experts, top_k=top_k, score_func=score_func,
+                         norm_topk_prob=norm_topk_prob, n_group=n_group,
+                         topk_group=topk_group, group_score=group_score,
+                         routed_scaling_factor=routed_scaling_factor)
+    score_id = pure.SCORE_ID[score_func]
+    idx, w, scores, raw = launch_router_fwd(logits, bias, top_k=top_k, score_id=score_id,
+                                            norm=norm_topk_prob, scale=routed_scaling_factor)
+    res = pure.RouterRes(scores, idx, raw, num_experts, score_id, int(norm_topk_prob),
+                         float(routed_scaling_factor), logits.dtype)
+    return (idx, w), res
+
+
+def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
+    """``out[t] = sum_j weights[t*k + j] * rows[index[t*k + j]]`` in one pass."""
+    from ..pure.dispatch import WeightedGatherSumRes
+
+    out = _op("weighted_gather_sum")(rows, index, weights, int(top_k))
+    return out, WeightedGatherSumRes(rows, index, weights, int(top_k))
+
+
+def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
+                            split: int | None = None, hi_out=None):
+    """The weighted combine's backward in one pass (see
+    ``moe_fn.pure.dispatch.weighted_gather_sum_bwd``), its row gradients split at ``split``:
+    returns ``(lo (split, H), hi (P - split, H), d_weights)``; ``hi`` is written into
+    ``hi_out`` when given. Not an op: the exchanges that call it run eagerly."""
+    if use_triton(rows) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_weighted_gather_sum_bwd
+
+        return launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k,
+                                              split=split, hi_out=hi_out)
+    from ..pure.dispatch import weighted_gather_sum_bwd as pure_bwd
+
+    d_rows, d_w = pure_bwd(d_out, rows, pos_to_row, weights, top_k)
+    split = rows.shape[0] if split is None else split
+    hi = d_rows[split:] if hi_out is None else hi_out.copy_(d_rows[split:])
+    return d_rows[:split], hi, d_w
+
+
+def _use_layout_kernel(topk_idx) -> bool:
+    return (isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda
+            and not torch.compiler.is_compiling())
+
+
+def layout(topk_idx, num_experts: int):
+    """``moe_fn.pure.dispatch.layout`` (same outputs, bit for bit) in three Triton launches
+    for CUDA tensors in eager mode; the pure function elsewhere. No custom op: under
+    ``torch.compile`` the pure code is traced."""
+    if not _use_layout_kernel(topk_idx):
+        return _pure_dispatch.layout(topk_idx, num_experts)
+    _pure_dispatch.check_layout_args(topk_idx, num_experts)
+    return _launch_layout(topk_idx, num_experts)[:4]
+
+
+def layout_with_tokens(topk_idx, num_experts: int):
+    """``layout``'s 4-tuple plus ``token_of_sorted = perm // k`` (int64), which the kernel
+    writes for free."""
+    if not _use_layout_kernel(topk_idx):
+        counts, offs, perm, inv_perm = _pure_dispatch.layout(topk_idx, num_experts)
+        tokens = torch.div(perm, topk_idx.shape[1], rounding_mode="floor")
+        return counts, offs, perm, inv_perm, tokens
+    _pure_dispatch.check_layout_args(topk_idx, num_experts)
+    return _launch_layout(topk_idx, num_experts)

@@ -1,6 +1,7 @@
-"""Triton kernel of the fused combine (``moe_fn.pure.dispatch.gather_sum_fwd`` is the
-contract): ``out[t] = sum_j rows[index[t*k + j]]`` in one pass, accumulated in float32,
-without materialising the (T*k, H) gathered rows. One program per (token, column block).
+"""Triton kernels of the fused combine (``moe_fn.pure.dispatch.gather_sum_fwd`` and
+``weighted_gather_sum_fwd/bwd`` are the contracts): ``out[t] = sum_j [w[t*k+j] *]
+rows[index[t*k + j]]`` in one pass, accumulated in float32, without materialising the
+(T*k, H) gathered rows; and the weighted form's backward in one pass over the rows.
 """
 
 from __future__ import annotations
@@ -13,19 +14,23 @@ _BLOCK_C = 1024
 
 
 @triton.jit
-def _gather_sum_kernel(rows_ptr, index_ptr, out_ptr, H, s_r, s_o,
-                       K: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
+                       K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(index_ptr + t * K + j).to(tl.int64)
-        acc += tl.load(rows_ptr + r * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(rows_ptr + r * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += v
     tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
+def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
+                      weights: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``)."""
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     t = index.numel() // top_k
@@ -35,6 +40,58 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int) -> to
         return out.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block))
-    _gather_sum_kernel[grid](rows, index.contiguous(), out, h, rows.stride(0), out.stride(0),
-                             K=top_k, BLOCK_C=block, num_warps=4 if block >= 512 else 2)
+    w = index if weights is None else weights.contiguous()
+    _gather_sum_kernel[grid](rows, index.contiguous(), w, out, h, rows.stride(0),
+                             out.stride(0), K=top_k, HAS_W=weights is not None,
+                             BLOCK_C=block, num_warps=4 if block >= 512 else 2)
     return out
+
+
+@triton.jit
+def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, lo_ptr,
+                                    hi_ptr, dw_ptr, H, split, s_d, s_r, s_lo, s_hi,
+                                    K: tl.constexpr, BLOCK_C: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    r = tl.load(pos_to_row_ptr + p).to(tl.int64)
+    t = r // K
+    w = tl.load(w_ptr + r).to(tl.float32)
+    # Positions below ``split`` go to one buffer (the rows to send), the rest to another
+    # (own rows, written straight into the receive buffer's tail): no copy afterwards.
+    is_lo = p < split
+    dst = tl.where(is_lo, lo_ptr + p * s_lo, hi_ptr + (p - split) * s_hi)
+    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = cols < H
+        d = tl.load(d_out_ptr + t * s_d + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(rows_ptr + p * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        dot += d * y
+        tl.store(dst + cols, (d * w).to(lo_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + r, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
+                                   split: int | None = None, hi_out=None):
+    """``d_rows[p] = w[r] * d_out[r // k]`` and ``d_w[r] = <d_out[r // k], rows[p]>`` for
+    ``r = pos_to_row[p]``. Rows ``p < split`` land in a new ``(split, H)`` tensor, the rest
+    in ``hi_out`` (``(P - split, H)``; new when None). Returns ``(lo, hi, d_w)``."""
+    d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    p, h = rows.shape
+    split = p if split is None else split
+    lo = rows.new_empty((split, h))
+    hi = rows.new_empty((p - split, h)) if hi_out is None else hi_out
+    d_w = torch.empty(p, dtype=weights.dtype, device=rows.device)
+    if p == 0:
+        return lo, hi, d_w
+    if h == 0:
+        return lo, hi, d_w.zero_()
+    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    # Dummy pointers for an empty side; never dereferenced (no position maps there).
+    lo_arg = lo if split else rows
+    hi_arg = hi if p - split else rows
+    _weighted_gather_sum_bwd_kernel[(p,)](
+        d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg, d_w, h,
+        split, d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0),
+        K=top_k, BLOCK_C=block, num_warps=4 if block >= 512 else 2)
+    return lo, hi, d_w

@@ -241,3 +241,36 @@ def gather_sum_bwd(res: GatherSumRes, d_out, *, needs=(True,)):
     src = d_out.repeat_interleave(res.top_k, dim=0)
     d_rows = d_out.new_zeros((res.num_rows, d_out.shape[-1]))
     return (d_rows.index_add(0, res.index, src),)
+
+
+class WeightedGatherSumRes(NamedTuple):
+    rows: torch.Tensor       # (P, H) the gathered rows (home-buffer order)
+    index: torch.Tensor      # (T*k,) int64, flattened row -> position in ``rows``
+    weights: torch.Tensor    # (T*k,) routing weights
+    top_k: int
+
+
+def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
+    """``out[t] = sum_j weights[t*k + j] * rows[index[t*k + j]]`` (float32 accumulation for
+    half types): unpermute, the routing weights and the sum over k in one step, so the
+    weights never travel to the experts. ``index`` must be a bijection onto ``rows``."""
+    _check_top_k(top_k)
+    t = index.numel() // top_k
+    cd = compute_dtype(rows.dtype)
+    g = rows.index_select(0, index).to(cd) * weights.to(cd)[:, None]
+    out = g.reshape(t, top_k, rows.shape[-1]).sum(dim=1).to(rows.dtype)
+    return out, WeightedGatherSumRes(rows, index, weights, top_k)
+
+
+# Row at position p holds flattened row r = pos_to_row[p] of token r // k:
+#   d_rows[p] = w[r] * d_out[r // k];  d_w[r] = <d_out[r // k], rows[p]>.
+def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):
+    """Returns ``(d_rows (P, H) in position order, d_weights (T*k,))``; ``pos_to_row`` is
+    the inverse of the forward's ``index``."""
+    cd = compute_dtype(rows.dtype)
+    d_tok = d_out.index_select(0, torch.div(pos_to_row, top_k, rounding_mode="floor")).to(cd)
+    w = weights.to(cd).index_select(0, pos_to_row)
+    d_rows = (d_tok * w[:, None]).to(rows.dtype)
+    d_w_pos = (d_tok * rows.to(cd)).sum(dim=-1)
+    d_w = torch.empty_like(d_w_pos).index_copy_(0, pos_to_row, d_w_pos)
+    return d_rows, d_w.to(weights.dtype)

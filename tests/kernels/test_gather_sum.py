@@ -8,7 +8,14 @@ import torch
 
 from moe_fn.kernels import gather_sum as gs
 from moe_fn.kernels import gather_sum_fwd as kernel_gather_sum
-from moe_fn.pure.dispatch import gather_sum_bwd, gather_sum_fwd
+from moe_fn.kernels import weighted_gather_sum_bwd as kernel_weighted_bwd
+from moe_fn.kernels import weighted_gather_sum_fwd as kernel_weighted_fwd
+from moe_fn.pure.dispatch import (
+    gather_sum_bwd,
+    gather_sum_fwd,
+    weighted_gather_sum_bwd,
+    weighted_gather_sum_fwd,
+)
 from tests.kernels.tolerance import assert_close_to_ref
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
@@ -72,3 +79,89 @@ def test_op_wrapper_and_opcheck():
     torch.library.opcheck(torch.ops.moe_fn.gather_sum.default, (rows, index, 2))
     with pytest.raises(ValueError, match="multiple of top_k"):
         torch.ops.moe_fn.gather_sum(rows, index[:7], 2)
+
+
+# ----------------------------------------------------------------------------- weighted
+
+
+def _weighted_case(t, k, h, dtype, seed=0):
+    rows, index = _case(t, k, h, dtype, seed)
+    w = torch.rand(t * k, generator=torch.Generator().manual_seed(seed + 1))
+    return rows, index, w
+
+
+def naive_weighted(rows, index, w, k):
+    """float64 autograd of per-token loops: the oracle for both directions."""
+    t = index.numel() // k
+    return torch.stack([sum(w[i * k + j] * rows[int(index[i * k + j])] for j in range(k))
+                        for i in range(t)])
+
+
+def test_weighted_pure_pair_matches_autograd_oracle():
+    rows, index, w = _weighted_case(5, 3, 7, torch.float64)
+    out, _ = weighted_gather_sum_fwd(rows, index, w, 3)
+    r, wr = rows.clone().requires_grad_(), w.clone().double().requires_grad_()
+    ref = naive_weighted(r, index, wr, 3)
+    torch.testing.assert_close(out, ref.detach())
+    d = torch.randn_like(out)
+    ref.backward(d)
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel()))
+    d_rows, d_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w.double(), 3)
+    torch.testing.assert_close(d_rows, r.grad)
+    torch.testing.assert_close(d_w, wr.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,h", [(6, 2, 33), (4, 8, 70), (3, 1, 1), (0, 2, 16)])
+def test_weighted_kernels_match_pure(dtype, t, k, h):
+    rows, index, w = _weighted_case(t, k, h, dtype, seed=t + h)
+    got = gs.launch_gather_sum(rows.to(DEV), index.to(DEV), k, w.to(DEV)).cpu()
+    pure, _ = weighted_gather_sum_fwd(rows, index, w, k)
+    r64 = rows.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    ref = naive_weighted(r64, index, w64, k) if t else torch.zeros(0, h, dtype=torch.float64)
+    assert got.shape == (t, h) and got.dtype == dtype
+    assert_close_to_ref(got, pure, ref.detach())
+    if not t:
+        return
+    d = torch.randn(t, h).to(dtype)
+    ref.backward(d.double())
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel()))
+    p_rows, p_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, k)
+    for split in (t * k, 1, 0):
+        lo, hi, d_w = gs.launch_weighted_gather_sum_bwd(
+            d.to(DEV), rows.to(DEV), pos_to_row.to(DEV), w.to(DEV), k, split=split)
+        got_rows = torch.cat([lo, hi]).cpu()
+        assert lo.shape[0] == split
+        assert_close_to_ref(got_rows, p_rows, r64.grad)
+        assert_close_to_ref(d_w.cpu(), p_w, w64.grad)
+
+
+def test_weighted_bwd_writes_into_the_given_tail():
+    rows, index, w = _weighted_case(4, 2, 16, torch.float32)
+    d = torch.randn(4, 16)
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
+    tail = torch.zeros(10, 16)
+    lo, hi, _ = gs.launch_weighted_gather_sum_bwd(d.to(DEV), rows.to(DEV), pos_to_row.to(DEV),
+                                                  w.to(DEV), 2, split=3,
+                                                  hi_out=tail[5:].to(DEV))
+    full, _ = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
+    torch.testing.assert_close(torch.cat([lo, hi]).cpu(), full)
+    if DEV == "cpu":
+        torch.testing.assert_close(tail[5:], full[3:])
+        assert not tail[:5].any()
+
+
+def test_weighted_op_and_wrappers_on_cpu():
+    rows, index, w = _weighted_case(4, 2, 16, torch.float32)
+    out, _ = kernel_weighted_fwd(rows, index, w, 2)
+    torch.testing.assert_close(out, weighted_gather_sum_fwd(rows, index, w, 2)[0])
+    torch.library.opcheck(torch.ops.moe_fn.weighted_gather_sum.default, (rows, index, w, 2))
+    with pytest.raises(ValueError, match="one entry per routed row"):
+        torch.ops.moe_fn.weighted_gather_sum(rows, index, w[:7], 2)
+    d = torch.randn(4, 16)
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
+    lo, hi, d_w = kernel_weighted_bwd(d, rows, pos_to_row, w, 2, split=5)
+    full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
+    torch.testing.assert_close(torch.cat([lo, hi]), full)
+    torch.testing.assert_close(d_w, full_w)

@@ -160,17 +160,23 @@ def layer_bench(have_deepep, results, tokens, reps):
         with torch.no_grad():
             _, idx, w = layer.route(x)
             plan = moe_fn.layer.make_route_plan(idx, 128)
-            rows, row_w, handle = ex.dispatch_fwd(x, w, ex.layout(plan))
+            # What the layer moves: with home weighting (all_to_all) the weights stay home
+            # and enter the combine's sum there.
+            sent_w = None if ex.home_weighting else w
+            rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
 
             def fresh():
                 p = moe_fn.layer.make_route_plan(idx, 128)
-                ex.dispatch_fwd(x, w, ex.layout(p))
+                ex.dispatch_fwd(x, sent_w, ex.layout(p))
 
             def cached():
-                ex.dispatch_fwd(x, w, handle, cached=True)
+                ex.dispatch_fwd(x, sent_w, handle, cached=True)
 
             def combine():
-                ex.combine_fwd(rows, handle)
+                if ex.home_weighting:
+                    ex.combine_weighted_fwd(rows, w, handle)
+                else:
+                    ex.combine_fwd(rows, handle)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
         # Bytes that cross between ranks: the rows not kept locally, bf16.
@@ -229,34 +235,54 @@ def recompute_bench(have_deepep, results, tokens, reps):
         say(f"recompute {backend}: skip saves {off - on:.3f} ms of a {comb:.3f} ms combine")
 
 
+def backward_times(layers, x, dy, reps, warmup=5):
+    """Backward-only CUDA-event times (max over ranks per rep) of each layer, the layers
+    interleaved rep by rep so that drift of the shared machine hits every arm alike. The
+    forward runs untimed before each timed backward."""
+    times = [[] for _ in layers]
+    for rep in range(warmup + reps):
+        for i, layer in enumerate(layers):
+            for p in layer.parameters():
+                p.grad = None
+            out = layer(x)
+            torch.cuda.synchronize()
+            dist.barrier()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out.backward(dy)
+            e.record()
+            torch.cuda.synchronize()
+            t = torch.tensor([s.elapsed_time(e)], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if rep >= warmup:
+                times[i].append(t.item())
+    return times
+
+
 def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
         for sms in (12, 20, 24):
-            row = {}
             group = comm_group(sms) if backend == "all_to_all" else None
-            for overlap in (False, True):
-                layer, _ = build(QWEN, backend, group=group, row_weighting_impl="fused",
-                                 overlap_weight_grad=overlap, comm_num_sm=sms)
-                x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
-                                requires_grad=True)
-                dy = torch.randn_like(x)
-                out = [None]
-
-                def fwd():
-                    out[0] = layer(x)
-
-                def fwd_bwd():
-                    for p in layer.parameters():
-                        p.grad = None
-                    layer(x).backward(dy)
-                tf, tfb = timed(fwd, 2 * reps), timed(fwd_bwd, 2 * reps)
-                row["overlap" if overlap else "serial"] = tfb - tf
+            arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
+                          overlap_weight_grad=overlap, comm_num_sm=sms)[0]
+                    for overlap in (False, True)]
+            x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True)
+            dy = torch.randn_like(x)
+            serial, overlapped = backward_times(arms, x, dy, 3 * reps)
+            row = {"serial": statistics.median(serial),
+                   "overlap": statistics.median(overlapped),
+                   "paired_saving_ms": statistics.median(
+                       a - b for a, b in zip(serial, overlapped)),
+                   "serial_spread_ms": [min(serial), max(serial)]}
+            layer = arms[1]
             # The two pieces alone: dW GEMMs and the backward combine (dispatch backward).
             ex = layer.exchange
             with torch.no_grad():
                 _, idx, w = layer.route(x)
                 plan = moe_fn.layer.make_route_plan(idx, 128)
-                rows, row_w, handle = ex.dispatch_fwd(x, w, ex.layout(plan))
+                sent_w = None if ex.home_weighting else w
+                rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
                 d_rows = torch.randn_like(rows)
                 _, res = experts_fwd(rows, layer.experts.gate_up_proj, layer.experts.down_proj,
                                      handle.local_offs, act_id=0, alpha=0.0, limit=0.0,
@@ -264,7 +290,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
                 _, _, work = experts_bwd_input(res, d_rows)
                 t_dw = timed(lambda: experts_bwd_weight(work), reps)
                 t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
-            hidden = (row["serial"] - row["overlap"]) / min(t_dw, t_comb)
+            hidden = row["paired_saving_ms"] / min(t_dw, t_comb)
             row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
             results["overlap"][f"{backend} sm={sms}"] = row
             say(f"overlap {backend} comm_num_sm={sms}: {row}")
@@ -324,17 +350,23 @@ def main():
     results = {"env": environment(), "world": WORLD, "tokens_per_rank": a.tokens,
                "parity": {}, "layer": {}, "exchange": {}, "recompute": {}, "overlap": {}}
     only = a.only.split(",")
+
+    def dump():  # after every section, so a run cut short keeps what it measured
+        if RANK == 0 and a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
     if "parity" in only:
         parity(have_deepep, results)
+        dump()
     if "layer" in only or "recompute" in only:
         layer_bench(have_deepep, results, a.tokens, a.reps)
+        dump()
     if "recompute" in only:
         recompute_bench(have_deepep, results, a.tokens, a.reps)
+        dump()
     if "overlap" in only:
         overlap_bench(have_deepep, results, a.tokens, a.reps)
-    if RANK == 0 and a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        dump()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -80,6 +80,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     gu = torch.randn(e, 2 * full.intermediate_size, full.hidden_size, device="cuda") * 0.02
     dn = torch.randn(e, full.hidden_size, full.intermediate_size, device="cuda") * 0.02
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
+    if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
+        extra.setdefault("combine_impl", "fused")
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
     el = cfg.num_local_experts
@@ -95,7 +97,8 @@ def parity(have_deepep, results):
     t = 512
     for backend in backends(have_deepep):
         layer, (rw, gu, dn) = build(kw, backend)
-        ref = MoELayer(MoEConfig(**kw), device="cuda", dtype=torch.bfloat16)
+        ref = MoELayer(MoEConfig(**kw, combine_impl=layer.config.combine_impl), device="cuda",
+                       dtype=torch.bfloat16)
         with torch.no_grad():
             ref.router.weight.copy_(rw)
             ref.experts.gate_up_proj.copy_(gu)
@@ -162,7 +165,7 @@ def layer_bench(have_deepep, results, tokens, reps):
             plan = moe_fn.layer.make_route_plan(idx, 128)
             # What the layer moves: with home weighting (all_to_all) the weights stay home
             # and enter the combine's sum there.
-            sent_w = None if ex.home_weighting else w
+            sent_w = None if getattr(ex, "fused_combine", False) else w
             rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
 
             def fresh():
@@ -173,7 +176,7 @@ def layer_bench(have_deepep, results, tokens, reps):
                 ex.dispatch_fwd(x, sent_w, handle, cached=True)
 
             def combine():
-                if ex.home_weighting:
+                if getattr(ex, "fused_combine", False):
                     ex.combine_weighted_fwd(rows, w, handle)
                 else:
                     ex.combine_fwd(rows, handle)
@@ -281,7 +284,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
             with torch.no_grad():
                 _, idx, w = layer.route(x)
                 plan = moe_fn.layer.make_route_plan(idx, 128)
-                sent_w = None if ex.home_weighting else w
+                sent_w = None if getattr(ex, "fused_combine", False) else w
                 rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
                 d_rows = torch.randn_like(rows)
                 _, res = experts_fwd(rows, layer.experts.gate_up_proj, layer.experts.down_proj,

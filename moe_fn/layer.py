@@ -182,10 +182,13 @@ class MoELayer(nn.Module):
             overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
                        *self._expert_biases())
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
-        # Post-expert weights go into the combine's sum at home when the exchange brings
-        # rows home one by one: they need not travel, and no separate weighting pass runs.
-        # The skipped combine keeps the expert-side weighting (its backward needs the rows).
-        home_w = c.score_apply == "post" and self.exchange.home_weighting and not skip
+        # With the fused combine, post-expert weights go into its sum at home when the
+        # exchange brings rows home one by one: they need not travel, and no separate
+        # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
+        # than weighting on the expert side.) The skipped combine keeps the expert-side
+        # weighting: its backward needs the rows there.
+        home_w = (c.score_apply == "post" and c.combine_impl == "fused"
+                  and self.exchange.home_weighting and not skip)
         sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)

@@ -50,8 +50,9 @@ class Exchange:
     all_to_all) also offer ``combine_weighted_fwd(rows, weights, handle) -> (out, saved)``
     and ``combine_weighted_bwd(handle, d_out, weights, saved) -> (d_rows, d_weights)``: the
     routing weights applied at home inside the sum, so they never travel to the experts and
-    the expert-side weighting pass disappears. DeepEP sums on the expert side, so its
-    weights must be applied before its combine.
+    the expert-side weighting pass disappears (MoELayer uses them with
+    ``combine_impl="fused"``, where the weighted sum is one kernel). DeepEP sums on the
+    expert side, so its weights must be applied before its combine.
 
     ``counters`` counts each of these so tests and users can see what ran.
     """

@@ -87,6 +87,8 @@ def assert_same(a, b):
 
 CASES = [dict(score_apply=s, row_weighting_impl=w) for s, w in
          itertools.product(["post", "pre"], ["eager", "fused"])] + [dict(score_apply="activation")]
+# The fused combine weights at home; a skipped recompute weights on the expert side.
+CASES.append(dict(score_apply="post", row_weighting_impl="fused", combine_impl="fused"))
 
 
 def _cfg(world, **kw):

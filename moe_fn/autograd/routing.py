@@ -138,7 +138,13 @@ class SkippedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         refuse_double_backward("SkippedCombine")
-        d_rows = ctx.exchange.combine_bwd(ctx.handle, contiguous_grad(d_out))
+        d_out = contiguous_grad(d_out)
+        if ctx.weighted and hasattr(ctx.exchange, "combine_bwd_weighted_rows"):
+            rows, row_w = ctx.saved_tensors
+            d_rows, d_w = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows, row_w,
+                                                                 fused=ctx.fused)
+            return d_rows, d_w, None, None, None
+        d_rows = ctx.exchange.combine_bwd(ctx.handle, d_out)
         if not ctx.weighted:
             return d_rows, None, None, None, None
         rows, row_w = ctx.saved_tensors

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..pure.dispatch import gather_sum_fwd, weighted_gather_sum_bwd, weighted_gather_sum_fwd
+from ..pure.row_weight import RowWeightRes, row_weight_bwd
 from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
 
@@ -69,9 +70,19 @@ class SortedRowsExchange(Exchange):
     # ---- the two moves ---------------------------------------------------------------------
     def _to_experts(self, token_rows, h: SortedRowsHandle, *, async_op=False):
         """Token rows ``(T, D)`` -> expert rows ``(N, D)``; returns ``finish() -> rows``."""
+        finish = self._to_experts_unordered(token_rows, h, async_op=async_op)
+
+        def rows():
+            src, index = finish()
+            return src.index_select(0, index)
+        return rows
+
+    def _to_experts_unordered(self, token_rows, h: SortedRowsHandle, *, async_op=False):
+        """The moves of ``_to_experts`` without its last gather: ``finish() -> (src,
+        index)`` with expert row i at ``src[index[i]]``, for a consumer that gathers
+        itself."""
         if h.self_dst is None:  # one rank: sorted order is expert order
-            own = token_rows.index_select(0, h.self_tokens)
-            return lambda: own
+            return lambda: (token_rows, h.self_tokens)
         n_recv = sum(h.recv_splits)
         # [received rows; own rows], then one gather into expert order. The own rows are
         # gathered while the remote ones are in flight.
@@ -83,7 +94,7 @@ class SortedRowsExchange(Exchange):
         def finish():
             if work is not None:
                 work.wait()
-            return buf.index_select(0, h.expert_src)
+            return buf, h.expert_src
         return finish
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
@@ -154,6 +165,17 @@ class SortedRowsExchange(Exchange):
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
         self.counters["combine_backward"] += 1
         return self._to_experts(d_out, handle, async_op=True)()
+
+    def combine_bwd_weighted_rows(self, handle: SortedRowsHandle, d_out, rows, row_weights, *,
+                                  fused: bool):
+        """A combine backward followed by the expert-side weighting's backward
+        (``rows * row_weights`` was combined), with the last gather of the one fused into
+        the other when ``fused``: returns ``(d_rows, d_row_weights)``."""
+        self.counters["combine_backward"] += 1
+        src, index = self._to_experts_unordered(d_out, handle, async_op=True)()
+        if fused:
+            return kernels.gather_row_weight_bwd(src, index, rows, row_weights)
+        return row_weight_bwd(RowWeightRes(rows, row_weights), src.index_select(0, index))
 
     # ---- combine with the routing weights applied at home ----------------------------------
     def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle):

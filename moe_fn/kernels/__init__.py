@@ -28,6 +28,7 @@ from .dispatch_layout import launch_layout as _launch_layout
 from .router import launch_router_fwd
 
 __all__ = [
+    "gather_row_weight_bwd",
     "gather_sum_fwd",
     "layout",
     "layout_with_tokens",
@@ -190,3 +191,16 @@ def layout_with_tokens(topk_idx, num_experts: int):
         return counts, offs, perm, inv_perm, tokens
     _pure_dispatch.check_layout_args(topk_idx, num_experts)
     return _launch_layout(topk_idx, num_experts)
+
+
+def gather_row_weight_bwd(src, index, rows, weights):
+    """The row weighting's backward on gathered gradients, ``d = src[index[i]]``:
+    ``(d_rows = w * d, d_w = <d, rows>)`` in one pass (see ``moe_fn.pure.row_weight``).
+    Not an op: the exchanges that call it run eagerly."""
+    if use_triton(rows) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_gather_row_weight_bwd
+
+        return launch_gather_row_weight_bwd(src, index, rows, weights)
+    from ..pure.row_weight import RowWeightRes, row_weight_bwd
+
+    return row_weight_bwd(RowWeightRes(rows, weights), src.index_select(0, index))

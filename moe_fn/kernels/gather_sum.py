@@ -95,3 +95,41 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
         split, d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0),
         K=top_k, BLOCK_C=block, num_warps=4 if block >= 512 else 2)
     return lo, hi, d_w
+
+
+@triton.jit
+def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, rows_ptr, w_ptr, out_ptr, dw_ptr, H,
+                                  s_s, s_r, s_o, BLOCK_C: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.load(index_ptr + i).to(tl.int64)
+    w = tl.load(w_ptr + i).to(tl.float32)
+    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = cols < H
+        d = tl.load(src_ptr + j * s_s + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(rows_ptr + i * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        dot += d * y
+        tl.store(out_ptr + i * s_o + cols, (d * w).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + i, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+def launch_gather_row_weight_bwd(src, index, rows, weights):
+    """With ``d = src[index[i]]`` (the output gradient gathered to expert row i):
+    ``d_rows[i] = w[i] * d`` and ``d_w[i] = <d, rows[i]>`` — the row weighting's backward
+    fused with the gather that brings the gradient to the rows. Returns ``(d_rows, d_w)``."""
+    src = src if src.stride(-1) == 1 else src.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    n, h = rows.shape
+    out = rows.new_empty((n, h))
+    d_w = torch.empty(n, dtype=weights.dtype, device=rows.device)
+    if n == 0:
+        return out, d_w
+    if h == 0:
+        return out, d_w.zero_()
+    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    _gather_row_weight_bwd_kernel[(n,)](src, index.contiguous(), rows, weights.contiguous(),
+                                        out, d_w, h, src.stride(0), rows.stride(0),
+                                        out.stride(0), BLOCK_C=block,
+                                        num_warps=4 if block >= 512 else 2)
+    return out, d_w

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_fn.kernels import gather_row_weight_bwd as kernel_gather_row_weight_bwd
 from moe_fn.kernels import gather_sum as gs
 from moe_fn.kernels import gather_sum_fwd as kernel_gather_sum
 from moe_fn.kernels import weighted_gather_sum_bwd as kernel_weighted_bwd
@@ -16,6 +17,7 @@ from moe_fn.pure.dispatch import (
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
+from moe_fn.pure.row_weight import RowWeightRes, row_weight_bwd
 from tests.kernels.tolerance import assert_close_to_ref
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
@@ -165,3 +167,24 @@ def test_weighted_op_and_wrappers_on_cpu():
     full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
     torch.testing.assert_close(torch.cat([lo, hi]), full)
     torch.testing.assert_close(d_w, full_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,t,h", [(7, 3, 33), (5, 5, 1), (0, 2, 8)])
+def test_gather_row_weight_bwd_kernel_matches_pure(dtype, n, t, h):
+    g = torch.Generator().manual_seed(n + h)
+    src = torch.randn(t, h, generator=g).to(dtype)
+    index = torch.randint(0, t, (n,), generator=g)  # repeats: one token feeds k rows
+    rows = torch.randn(n, h, generator=g).to(dtype)
+    w = torch.rand(n, generator=g)
+    got_rows, got_w = gs.launch_gather_row_weight_bwd(src.to(DEV), index.to(DEV),
+                                                      rows.to(DEV), w.to(DEV))
+    p_rows, p_w = row_weight_bwd(RowWeightRes(rows, w), src.index_select(0, index))
+    # float64 autograd of the naive product: d/d(rows*w) of <gathered d, rows*w>.
+    r64, w64 = rows.double().requires_grad_(), w.double().requires_grad_()
+    (r64 * w64[:, None]).backward(src.double().index_select(0, index))
+    assert_close_to_ref(got_rows.cpu(), p_rows, r64.grad)
+    assert_close_to_ref(got_w.cpu(), p_w, w64.grad)
+    wrapped = kernel_gather_row_weight_bwd(src, index, rows, w)  # CPU: the pure pair
+    torch.testing.assert_close(wrapped[0], p_rows)
+    torch.testing.assert_close(wrapped[1], p_w)

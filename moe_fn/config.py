@@ -149,8 +149,6 @@ class MoEConfig:
                 "weight multiplies the whole expert output, down_proj_bias included (GPT-OSS); "
                 "'activation' would leave the down bias unweighted and 'pre' would weight the "
                 "input instead of the output")
-        # Routing weights are applied on the expert side (before a plain-sum combine), so
-        # the combine's backward never needs the combine's forward output.
         if self.combine_impl == "fused" and self.comm_backend == "deepep":
             raise ValueError(
                 "combine_impl='fused' fuses the home-side gather and sum of the local and "

@@ -95,8 +95,10 @@ class MoELayer(nn.Module):
 
     Rank r of the expert-parallel group (``process_group``, default the world group when
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
-    Routing weights are applied on the expert side (``config.score_apply``), so the
-    combine is a plain sum and its backward needs nothing from its forward.
+    Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
+    local and all_to_all exchanges with ``combine_impl="fused"`` they enter the combine's
+    sum at home (one fused pass, nothing extra sent), elsewhere they scale the expert rows
+    before a plain-sum combine (DeepEP sums on the expert side).
     """
 
     def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):

@@ -48,6 +48,21 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
 
 
 @triton.jit
+def _scale_and_dot(d_row, y_row, dst_row, w, H, BLOCK_C: tl.constexpr):
+    """One row of a weighting's backward: ``dst = w * d`` and the return value
+    ``<d, y>`` (float32), walking the columns in ``BLOCK_C`` chunks."""
+    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = cols < H
+        d = tl.load(d_row + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols, mask=m, other=0.0).to(tl.float32)
+        dot += d * y
+        tl.store(dst_row + cols, (d * w).to(dst_row.dtype.element_ty), mask=m)
+    return tl.sum(dot, axis=0)
+
+
+@triton.jit
 def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, lo_ptr,
                                     hi_ptr, dw_ptr, H, split, s_d, s_r, s_lo, s_hi,
                                     K: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -57,17 +72,9 @@ def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, 
     w = tl.load(w_ptr + r).to(tl.float32)
     # Positions below ``split`` go to one buffer (the rows to send), the rest to another
     # (own rows, written straight into the receive buffer's tail): no copy afterwards.
-    is_lo = p < split
-    dst = tl.where(is_lo, lo_ptr + p * s_lo, hi_ptr + (p - split) * s_hi)
-    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for c0 in range(0, H, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        m = cols < H
-        d = tl.load(d_out_ptr + t * s_d + cols, mask=m, other=0.0).to(tl.float32)
-        y = tl.load(rows_ptr + p * s_r + cols, mask=m, other=0.0).to(tl.float32)
-        dot += d * y
-        tl.store(dst + cols, (d * w).to(lo_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + r, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+    dst = tl.where(p < split, lo_ptr + p * s_lo, hi_ptr + (p - split) * s_hi)
+    dot = _scale_and_dot(d_out_ptr + t * s_d, rows_ptr + p * s_r, dst, w, H, BLOCK_C)
+    tl.store(dw_ptr + r, dot.to(dw_ptr.dtype.element_ty))
 
 
 def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
@@ -103,15 +110,9 @@ def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, rows_ptr, w_ptr, out_ptr, 
     i = tl.program_id(0).to(tl.int64)
     j = tl.load(index_ptr + i).to(tl.int64)
     w = tl.load(w_ptr + i).to(tl.float32)
-    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for c0 in range(0, H, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        m = cols < H
-        d = tl.load(src_ptr + j * s_s + cols, mask=m, other=0.0).to(tl.float32)
-        y = tl.load(rows_ptr + i * s_r + cols, mask=m, other=0.0).to(tl.float32)
-        dot += d * y
-        tl.store(out_ptr + i * s_o + cols, (d * w).to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + i, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+    dot = _scale_and_dot(src_ptr + j * s_s, rows_ptr + i * s_r, out_ptr + i * s_o, w, H,
+                         BLOCK_C)
+    tl.store(dw_ptr + i, dot.to(dw_ptr.dtype.element_ty))
 
 
 def launch_gather_row_weight_bwd(src, index, rows, weights):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..records import DeepEPHandle, RoutePlan
 from .base import Exchange, Pending
 
@@ -130,16 +131,9 @@ class DeepEPExchange(Exchange):
         return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
 
     def _sum_per_token(self, rows, handle):
-        """Each received token's local expert rows, summed (float32 accumulation).
-
-        A gather through ``row_of_slot`` and a masked sum over k: no atomics."""
-        table = handle.row_of_slot
-        r, k = table.shape
-        if rows.shape[0] == 0:  # no local expert was chosen by any received token
-            return rows.new_zeros((r, rows.shape[1]))
-        g = rows.index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k, rows.shape[1])
-        g = g * (table >= 0).to(g.dtype)[:, :, None]
-        return g.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+        """Each received token's local expert rows, summed (float32 accumulation): one
+        gather-sum pass through ``row_of_slot``, no atomics."""
+        return kernels.masked_gather_sum(rows, handle.row_of_slot)
 
     def dispatch_bwd(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):

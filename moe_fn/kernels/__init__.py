@@ -30,6 +30,7 @@ from .router import launch_router_fwd
 __all__ = [
     "gather_row_weight_bwd",
     "gather_sum_fwd",
+    "masked_gather_sum",
     "layout",
     "layout_with_tokens",
     "weighted_gather_sum_bwd",
@@ -204,3 +205,13 @@ def gather_row_weight_bwd(src, index, rows, weights):
     from ..pure.row_weight import RowWeightRes, row_weight_bwd
 
     return row_weight_bwd(RowWeightRes(rows, weights), src.index_select(0, index))
+
+
+def masked_gather_sum(rows, table, weights=None):
+    """``moe_fn.pure.dispatch.masked_gather_sum`` in one Triton pass on CUDA (eager);
+    the pure function elsewhere. Not an op: the exchanges that call it run eagerly."""
+    if use_triton(rows) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_masked_gather_sum
+
+        return launch_masked_gather_sum(rows, table, weights)
+    return _pure_dispatch.masked_gather_sum(rows, table, weights)

@@ -15,16 +15,26 @@ _BLOCK_C = 1024
 
 @triton.jit
 def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
-                       K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr):
+                       K: tl.constexpr, HAS_W: tl.constexpr, MASKED: tl.constexpr,
+                       W_BY_ROW: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(index_ptr + t * K + j).to(tl.int64)
-        v = tl.load(rows_ptr + r * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        mj = m
+        if MASKED:  # -1 marks an absent entry
+            # An absent entry masks its whole row: its column bound drops to 0.
+            mj = cols < tl.where(r >= 0, H, 0)
+            r = tl.maximum(r, 0)
+        v = tl.load(rows_ptr + r * s_r + cols, mask=mj, other=0.0).to(tl.float32)
         if HAS_W:
-            v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+            if W_BY_ROW:  # a weight per gathered row
+                w = tl.load(w_ptr + r).to(tl.float32)
+            else:  # a weight per (t, j) entry
+                w = tl.load(w_ptr + t * K + j).to(tl.float32)
+            v = v * w
         acc += v
     tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -42,8 +52,28 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     grid = (t, triton.cdiv(h, block))
     w = index if weights is None else weights.contiguous()
     _gather_sum_kernel[grid](rows, index.contiguous(), w, out, h, rows.stride(0),
-                             out.stride(0), K=top_k, HAS_W=weights is not None,
-                             BLOCK_C=block, num_warps=4 if block >= 512 else 2)
+                             out.stride(0), K=top_k, HAS_W=weights is not None, MASKED=False,
+                             W_BY_ROW=False, BLOCK_C=block,
+                             num_warps=4 if block >= 512 else 2)
+    return out
+
+
+def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
+                             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_fn.pure.dispatch.masked_gather_sum`` in one pass: entries of ``table (R, K)``
+    below 0 are absent; ``weights (N,)`` scale the gathered rows."""
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    r, k = table.shape
+    h = rows.shape[1]
+    out = torch.empty((r, h), dtype=rows.dtype, device=rows.device)
+    if r == 0 or h == 0 or k == 0 or rows.shape[0] == 0:
+        return out.zero_()
+    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    w = table if weights is None else weights.contiguous()
+    _gather_sum_kernel[(r, triton.cdiv(h, block))](
+        rows, table.contiguous(), w, out, h, rows.stride(0), out.stride(0), K=k,
+        HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
+        num_warps=4 if block >= 512 else 2)
     return out
 
 

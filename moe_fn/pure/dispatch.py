@@ -274,3 +274,23 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):
     d_w_pos = (d_tok * rows.to(cd)).sum(dim=-1)
     d_w = torch.empty_like(d_w_pos).index_copy_(0, pos_to_row, d_w_pos)
     return d_rows, d_w.to(weights.dtype)
+
+
+def masked_gather_sum(rows, table, weights=None):
+    """``out[r] = sum_j [weights[table[r, j]] *] rows[table[r, j]]`` over the entries with
+    ``table[r, j] >= 0`` (float32 accumulation for half types; absent entries are -1).
+
+    The per-token sums of a token-once exchange: a received token's rows on this rank
+    (``table`` = its row of each top-k slot), or a home token's partial sums from each rank
+    (``table`` = its position in the returned buffer per rank). ``rows (N, H)``,
+    ``table (R, K)`` int64, ``weights (N,)`` or None -> ``(R, H)`` in rows' dtype."""
+    r, k = table.shape
+    cd = compute_dtype(rows.dtype)
+    if rows.shape[0] == 0 or r * k == 0:
+        return rows.new_zeros((r, rows.shape[1]))
+    present = table >= 0
+    g = rows.index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k, rows.shape[1]).to(cd)
+    scale = present.to(cd)
+    if weights is not None:
+        scale = scale * weights.to(cd).index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k)
+    return (g * scale[:, :, None]).sum(dim=1).to(rows.dtype)

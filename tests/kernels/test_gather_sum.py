@@ -9,11 +9,13 @@ import torch
 from moe_fn.kernels import gather_row_weight_bwd as kernel_gather_row_weight_bwd
 from moe_fn.kernels import gather_sum as gs
 from moe_fn.kernels import gather_sum_fwd as kernel_gather_sum
+from moe_fn.kernels import masked_gather_sum as kernel_masked_gather_sum
 from moe_fn.kernels import weighted_gather_sum_bwd as kernel_weighted_bwd
 from moe_fn.kernels import weighted_gather_sum_fwd as kernel_weighted_fwd
 from moe_fn.pure.dispatch import (
     gather_sum_bwd,
     gather_sum_fwd,
+    masked_gather_sum,
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
@@ -188,3 +190,32 @@ def test_gather_row_weight_bwd_kernel_matches_pure(dtype, n, t, h):
     wrapped = kernel_gather_row_weight_bwd(src, index, rows, w)  # CPU: the pure pair
     torch.testing.assert_close(wrapped[0], p_rows)
     torch.testing.assert_close(wrapped[1], p_w)
+
+
+# ----------------------------------------------------------------------------- masked
+
+
+def naive_masked(rows, table, weights=None):
+    out = torch.zeros(table.shape[0], rows.shape[1], dtype=torch.float64)
+    for r in range(table.shape[0]):
+        for j in range(table.shape[1]):
+            i = int(table[r, j])
+            if i >= 0:
+                out[r] += rows[i].double() * (1.0 if weights is None else float(weights[i]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("n,r,k,h", [(9, 5, 3, 33), (4, 6, 2, 1), (0, 3, 2, 8), (5, 0, 2, 8)])
+def test_masked_gather_sum_kernel_matches_pure_and_naive(dtype, weighted, n, r, k, h):
+    g = torch.Generator().manual_seed(n + r + h)
+    rows = torch.randn(n, h, generator=g).to(dtype)
+    table = torch.randint(-1, max(n, 1), (r, k), generator=g) if n else torch.full((r, k), -1)
+    w = torch.rand(n, generator=g) if weighted else None
+    got = gs.launch_masked_gather_sum(rows.to(DEV), table.to(DEV),
+                                      None if w is None else w.to(DEV)).cpu()
+    pure = masked_gather_sum(rows, table, w)
+    assert got.shape == (r, h) and pure.shape == (r, h)
+    assert_close_to_ref(got, pure, naive_masked(rows, table, w))
+    torch.testing.assert_close(kernel_masked_gather_sum(rows, table, w), pure)  # CPU: pure

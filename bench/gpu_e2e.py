@@ -64,8 +64,9 @@ OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="ea
            overlap_weight_grad=False, skip_recompute_combine=False)
 
 
-def ep_arms(comm_num_sm: int, deepep: bool) -> dict[str, dict]:
-    fused_combine = "eager" if deepep else "fused"  # DeepEP combines in its own kernels
+def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
+    # DeepEP and the token-once all_to_all sum on the expert side in their own kernels.
+    fused_combine = "fused" if comm == "all_to_all" else "eager"
     arms = {
         "off": OFF,
         "fused_gate_up": OFF | dict(gate_up_impl="fused"),
@@ -76,8 +77,10 @@ def ep_arms(comm_num_sm: int, deepep: bool) -> dict[str, dict]:
                        combine_impl=fused_combine, overlap_weight_grad=True,
                        comm_num_sm=comm_num_sm, skip_recompute_combine=True),
     }
-    if deepep:
+    if comm == "deepep":
         arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
+    if comm == "all_to_all_dedup":
+        arms = {k: v | dict(all_to_all_dedup=True) for k, v in arms.items()}
     return arms
 
 
@@ -353,7 +356,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="sequence length (4096; tiny 64)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--comm-num-sm", type=int, default=20)
-    ap.add_argument("--comm", choices=("all_to_all", "deepep"), default="all_to_all")
+    ap.add_argument("--comm", choices=("all_to_all", "all_to_all_dedup", "deepep"),
+                    default="all_to_all")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (logic check)")
@@ -394,7 +398,7 @@ def main(argv=None):
         baseline = "hf_grouped_mm"
     else:
         arms = {k: (v, True) for k, v in
-                ep_arms(args.comm_num_sm, args.comm == "deepep").items()}
+                ep_arms(args.comm_num_sm, args.comm).items()}
         baseline = "off"
     if args.arms:
         keep = args.arms.split(",")

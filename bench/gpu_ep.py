@@ -61,7 +61,8 @@ def timed(fn, reps=20, warmup=5):
 
 
 def backends(have_deepep):
-    return ["all_to_all"] + (["deepep"] if have_deepep else [])
+    # "all_to_all_dedup": all_to_all sending each token once per rank (all_to_all_dedup).
+    return ["all_to_all", "all_to_all_dedup"] + (["deepep"] if have_deepep else [])
 
 
 def comm_group(sms):
@@ -82,6 +83,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
+    if backend == "all_to_all_dedup":
+        backend, extra["all_to_all_dedup"] = "all_to_all", True
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
     el = cfg.num_local_experts
@@ -182,22 +185,28 @@ def layer_bench(have_deepep, results, tokens, reps):
                     ex.combine_fwd(rows, handle)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
-        # Bytes that cross between ranks: the rows not kept locally, bf16.
+        # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
+        # not kept locally.
         sent_rows = (sum(handle.send_splits) - handle.send_splits[RANK]
-                     if backend == "all_to_all" else handle.num_recv_tokens)
+                     if backend.startswith("all_to_all") else handle.num_recv_tokens)
         payload = sent_rows * 2048 * 2
         row = {"fresh_dispatch_ms": t_fresh, "cached_dispatch_ms": t_cached,
                "combine_ms": t_comb, "cached_speedup": t_fresh / t_cached,
                "rows_per_rank": rows.shape[0], "dispatch_gbs": payload / t_cached / 1e6,
                "combine_gbs": payload / t_comb / 1e6}
-        if backend == "all_to_all":
-            # Raw all_to_all_single of the remote rows alone (what crosses NVLink), and of
-            # every row including each rank's own (what a plain implementation sends).
+        if backend.startswith("all_to_all"):
+            # Raw all_to_all_single of the (token, expert) rows this route moves between
+            # ranks (what crosses NVLink row by row), and of every row including each
+            # rank's own (what a plain implementation sends). The dedup path delivers the
+            # same rows while sending each token once per rank.
             full_send = plan.counts.reshape(WORLD, -1).sum(1)
             full_recv = torch.empty_like(full_send)
             dist.all_to_all_single(full_recv, full_send)
-            for name, ss, rs in (("raw_remote", handle.send_splits, handle.recv_splits),
-                                 ("raw_all", full_send.tolist(), full_recv.tolist())):
+            full_send, full_recv = full_send.tolist(), full_recv.tolist()
+            rem_send, rem_recv = list(full_send), list(full_recv)
+            rem_send[RANK] = rem_recv[RANK] = 0
+            for name, ss, rs in (("raw_remote", rem_send, rem_recv),
+                                 ("raw_all", full_send, full_recv)):
                 send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
                 recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
 
@@ -265,7 +274,7 @@ def backward_times(layers, x, dy, reps, warmup=5):
 def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
         for sms in (12, 20, 24):
-            group = comm_group(sms) if backend == "all_to_all" else None
+            group = comm_group(sms) if backend.startswith("all_to_all") else None
             arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
                           overlap_weight_grad=overlap, comm_num_sm=sms)[0]
                     for overlap in (False, True)]

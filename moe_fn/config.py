@@ -45,7 +45,10 @@ class MoEConfig:
     ``down_proj_bias (E, H)`` after down, inside each expert, and needs
     ``score_apply="post"`` (the routing weight scales the whole expert output, down bias
     included). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
-    communication kernels use and that overlapped GEMMs leave free).
+    communication kernels use and that overlapped GEMMs leave free),
+    ``all_to_all_dedup`` (``all_to_all`` only: send each token once per destination rank
+    and sum its rows on the expert side, as DeepEP does, instead of one row per (token,
+    expert); fewer bytes, no longer bit-identical to one rank in bf16).
     """
 
     hidden_size: int
@@ -74,6 +77,7 @@ class MoEConfig:
     comm_num_sm: int = 20
     overlap_weight_grad: bool = False
     skip_recompute_combine: bool = False
+    all_to_all_dedup: bool = False
 
     def __attrs_post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
@@ -93,7 +97,7 @@ class MoEConfig:
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
         for name in ("norm_topk_prob", "score_correction_bias", "router_bias", "expert_bias",
-                     "overlap_weight_grad", "skip_recompute_combine"):
+                     "overlap_weight_grad", "skip_recompute_combine", "all_to_all_dedup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_groups()
@@ -120,6 +124,14 @@ class MoEConfig:
                              "use group_score='max'")
 
     def _check_exchange(self):
+        if self.all_to_all_dedup and self.comm_backend != "all_to_all":
+            raise ValueError(f"all_to_all_dedup=True changes how comm_backend='all_to_all' "
+                             f"sends tokens; with comm_backend={self.comm_backend!r} it would "
+                             "do nothing: set it False or use comm_backend='all_to_all'")
+        if self.all_to_all_dedup and self.combine_impl == "fused":
+            raise ValueError("combine_impl='fused' fuses the row-by-row all_to_all combine; "
+                             "all_to_all_dedup=True sums each token's rows on the expert side "
+                             "(always one pass): use combine_impl='eager' with it")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts})")

@@ -32,6 +32,9 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     if size != config.ep_size:
         raise ValueError(f"the process group has {size} ranks but ep_size is "
                          f"{config.ep_size}: pass a group of ep_size ranks")
+    if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
+        from .comm.token_a2a import TokenAllToAllExchange
+        return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
                                 fused_combine=config.combine_impl == "fused")

@@ -99,3 +99,31 @@ class DeepEPHandle:
     num_rows: int
     recv_weights: torch.Tensor
     row_of_slot: torch.Tensor
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TokenExchangeHandle:
+    """Layout of one dispatch over the token-once ``all_to_all`` exchange.
+
+    ``plan``: the route. ``send_tokens`` (n_send,) int64: the home token of each sent
+    position, grouped by destination rank (a token goes once to every rank owning one of
+    its experts, this rank included). ``send_splits`` / ``recv_splits``: tokens sent to /
+    received from each rank (host ints). ``home_table`` (T, ep) int64: a home token's
+    position in the sent (and returned) buffer for each rank, -1 where it was not sent.
+    ``owner_pos`` (T, k) int64: the returned-buffer position of the rank owning each of a
+    token's k experts. ``token_of_row`` / ``slot_of_row`` / ``row_of_slot`` /
+    ``local_offs`` / ``num_rows`` / ``num_recv_tokens``: as in ``DeepEPHandle``.
+    """
+
+    plan: RoutePlan
+    send_tokens: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    home_table: torch.Tensor
+    owner_pos: torch.Tensor
+    token_of_row: torch.Tensor
+    slot_of_row: torch.Tensor
+    row_of_slot: torch.Tensor
+    local_offs: torch.Tensor
+    num_rows: int
+    num_recv_tokens: int

@@ -149,7 +149,7 @@ def test_bad_input_errors():
 
 # ---- expert parallelism over gloo ---------------------------------------------------------
 
-def _ep_case(rank, world, kw, tokens_per_rank, seed):
+def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):
     torch.manual_seed(seed)
     cfg_full = _cfg(**kw)
     ref = MoELayer(cfg_full, dtype=torch.float64)
@@ -168,7 +168,7 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed):
     out_all = ref(x_all)
     (out_all * torch.cat(gs)).sum().backward()
 
-    cfg = _cfg(**kw, comm_backend="all_to_all", ep_size=world)
+    cfg = _cfg(**kw, comm_backend="all_to_all", ep_size=world, **(exchange_kw or {}))
     layer = MoELayer(cfg, dtype=torch.float64)
     e_local = cfg.num_local_experts
     sl = slice(rank * e_local, (rank + 1) * e_local)
@@ -225,11 +225,13 @@ EP_CASES = [
 
 def _ep_body(rank, world, tokens_per_rank):
     # One process group runs every case: spawning processes dominates the test's time.
-    for n, kw in enumerate(EP_CASES):
-        kw = dict(kw)
-        if kw["top_k"] == "E/ep":
-            kw["top_k"] = kw["num_experts"] // world
-        _ep_case(rank, world, kw, tokens_per_rank, 1234 + n)
+    for dedup in (False, True):
+        for n, kw in enumerate(EP_CASES):
+            kw = dict(kw)
+            if kw["top_k"] == "E/ep":
+                kw["top_k"] = kw["num_experts"] // world
+            _ep_case(rank, world, kw, tokens_per_rank, 1234 + n,
+                     dict(all_to_all_dedup=dedup))
 
 
 TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}

@@ -84,9 +84,21 @@ def _check_gradients(rank, world):
         assert float(layer.experts.down_proj.grad[1 % el].abs().sum()) == 0.0
 
 
-def _check_order_and_failure(rank, world):
+def _check_gradients_token_exchange(rank, world):
+    """The token-once all_to_all (all_to_all_dedup): the same guarantees."""
+    for impl, (mode, skip) in itertools.product(
+            ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
+                                    ("non_reentrant", True)]):
+        kw = dict(gate_up_impl=impl, skip_recompute_combine=skip, all_to_all_dedup=True)
+        serial = _grads(world, rank, mode, **kw)
+        overlapped = _grads(world, rank, mode, overlap_weight_grad=True, **kw)
+        for a, b in zip(serial, overlapped):
+            assert torch.equal(a, b), (impl, mode, skip)
+
+
+def _check_order_and_failure(rank, world, **kw):
     log = []
-    layer = _layer(world, rank, 6, overlap_weight_grad=True)
+    layer = _layer(world, rank, 6, overlap_weight_grad=True, **kw)
     ex = layer.exchange
     real_bwd, real_dw = ex.dispatch_bwd, routing.experts_bwd_weight
 
@@ -135,6 +147,8 @@ def _check_order_and_failure(rank, world):
 def _body(rank, world):
     _check_gradients(rank, world)
     _check_order_and_failure(rank, world)
+    _check_gradients_token_exchange(rank, world)
+    _check_order_and_failure(rank, world, all_to_all_dedup=True)
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,157 @@
+"""The token-once ``all_to_all`` exchange (``all_to_all_dedup=True``).
+
+Each token crosses to a rank once, however many of its k experts that rank owns, as
+DeepEP does, instead of once per (token, expert) row: at EP2 with top-8 of 128 experts
+that is about a quarter of the bytes. The receiver expands tokens into expert rows; the
+combine sums each received token's rows on the expert side before sending one partial
+per (token, rank) home, where the partials are summed. Routing weights therefore act on
+the expert side. Transport: ``torch.distributed.all_to_all_single`` (gloo or NCCL).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..records import RoutePlan, TokenExchangeHandle
+from .base import Exchange, Pending
+
+
+class TokenAllToAllExchange(Exchange):
+    backend = "all_to_all"
+
+    def __init__(self, *, num_experts: int, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
+                               "(dist.init_process_group) before the layer is built")
+        super().__init__(num_experts=num_experts, ep_size=dist.get_world_size(group),
+                         rank=dist.get_rank(group), group=group)
+
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False):
+        rows = rows.contiguous()
+        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
+                                      group=self.group, async_op=async_op)
+        return out, work
+
+    # ---- layout: one counts exchange, one host sync, the received tokens' expert ids ------
+    def layout(self, plan: RoutePlan) -> TokenExchangeHandle:
+        self.counters["layout"] += 1
+        ep, e_local, k = self.ep_size, self.num_local_experts, plan.top_k
+        idx = plan.topk_idx
+        t = idx.shape[0]
+        dev = idx.device
+        dest = torch.div(idx, e_local, rounding_mode="floor")
+        in_rank = torch.zeros(t, ep, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+        # Per destination: tokens sent, then rows for each of its experts.
+        counts = torch.cat([in_rank.sum(0)[:, None], plan.counts.reshape(ep, e_local)], 1)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.group)
+        # The one host sync: split sizes and the row total are needed as ints.
+        host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]])
+        host = host.tolist()
+        send_splits, recv_splits, num_rows = host[:ep], host[ep:2 * ep], host[2 * ep]
+        n_send = sum(send_splits)
+        # Sent positions, grouped by rank, tokens ascending within a rank (a stable sort
+        # of the (rank, token) flags, True first, bounded by the host-known count).
+        flags = in_rank.t().reshape(-1)
+        order = torch.sort((~flags).to(torch.int8), stable=True)[1][:n_send]
+        pos = torch.full((ep * t,), -1, dtype=torch.int64, device=dev)
+        pos[order] = torch.arange(n_send, device=dev)
+        home_table = pos.reshape(ep, t).t().contiguous()
+        send_tokens = order % t if t else order
+        # The receivers learn which of their experts each received token chose.
+        recv_idx, _ = self._exchange(idx.index_select(0, send_tokens), send_splits,
+                                     recv_splits)
+        local = recv_idx - self.rank * e_local
+        local = torch.where((local >= 0) & (local < e_local), local, e_local)
+        slots = torch.sort(local.reshape(-1), stable=True)[1][:num_rows]
+        row_of_slot = torch.full((local.numel(),), -1, dtype=torch.int64, device=dev)
+        row_of_slot[slots] = torch.arange(num_rows, device=dev)
+        local_counts = recv_counts[:, 1:].sum(0)
+        return TokenExchangeHandle(
+            plan=plan, send_tokens=send_tokens, send_splits=tuple(send_splits),
+            recv_splits=tuple(recv_splits), home_table=home_table,
+            owner_pos=home_table.gather(1, dest), token_of_row=slots // k,
+            slot_of_row=slots % k, row_of_slot=row_of_slot.reshape(local.shape),
+            local_offs=torch.cumsum(local_counts, 0).to(torch.int32), num_rows=num_rows,
+            num_recv_tokens=sum(recv_splits))
+
+    def _to_receivers(self, token_rows, h: TokenExchangeHandle, *, async_op=False):
+        out, work = self._exchange(token_rows.index_select(0, h.send_tokens), h.send_splits,
+                                   h.recv_splits, async_op=async_op)
+
+        def finish():
+            if work is not None:
+                work.wait()
+            return out
+        return finish
+
+    def _to_home(self, partials, h: TokenExchangeHandle, *, async_op=False):
+        """Per received-token partials back home, summed per home token over ranks."""
+        back, work = self._exchange(partials, h.recv_splits, h.send_splits, async_op=async_op)
+
+        def finish():
+            if work is not None:
+                work.wait()
+            return kernels.masked_gather_sum(back, h.home_table)
+        return finish
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def dispatch_fwd(self, x, weights, handle: TokenExchangeHandle, *, cached: bool = False):
+        self.counters["cached_dispatch" if cached else "dispatch"] += 1
+        finish_w = None
+        if weights is not None:
+            finish_w = self._to_receivers(weights.detach(), handle, async_op=True)
+        recv = self._to_receivers(x, handle, async_op=True)()
+        if recv.shape[0] != handle.num_recv_tokens:
+            raise RuntimeError(f"received {recv.shape[0]} tokens but the handle expects "
+                               f"{handle.num_recv_tokens}")
+        rows = recv.index_select(0, handle.token_of_row)
+        row_w = None
+        if finish_w is not None:
+            row_w = finish_w()[handle.token_of_row, handle.slot_of_row]
+        return rows, row_w, handle
+
+    def dispatch_bwd(self, handle: TokenExchangeHandle, d_rows, d_row_weights, *,
+                     async_op: bool = False):
+        """Row gradients summed per received token, sent home, summed over ranks; the
+        routing-weight gradients ride back in a (received token, k) table."""
+        self.counters["dispatch_backward"] += 1
+        plan = handle.plan
+        finish_x = self._to_home(kernels.masked_gather_sum(d_rows, handle.row_of_slot), handle,
+                                 async_op=async_op)
+        finish_w = None
+        if d_row_weights is not None:
+            table = handle.row_of_slot
+            flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
+            d_recv_w = flat[torch.where(table >= 0, table, flat.numel() - 1)]
+            back_w, work_w = self._exchange(d_recv_w, handle.recv_splits, handle.send_splits,
+                                            async_op=async_op)
+
+            def finish_w():
+                if work_w is not None:
+                    work_w.wait()
+                if plan.num_tokens == 0:
+                    return back_w.new_zeros((0, plan.top_k))
+                # Each (token, j) comes back from the rank owning expert j.
+                return back_w[handle.owner_pos, torch.arange(plan.top_k, device=back_w.device)]
+
+        def finish():
+            return finish_x(), (finish_w() if finish_w is not None else None)
+
+        pending = Pending(finish)
+        return pending if async_op else pending.wait()
+
+    # ---- combine ------------------------------------------------------------------------
+    def combine_fwd(self, rows, handle: TokenExchangeHandle):
+        self.counters["combine"] += 1
+        partials = kernels.masked_gather_sum(rows, handle.row_of_slot)
+        return self._to_home(partials, handle, async_op=True)(), handle
+
+    # d_rows[i] = d_out[home token of row i]: a cached dispatch of the output gradient.
+    def combine_bwd(self, handle: TokenExchangeHandle, d_out):
+        self.counters["combine_backward"] += 1
+        recv = self._to_receivers(d_out, handle, async_op=True)()
+        return recv.index_select(0, handle.token_of_row)

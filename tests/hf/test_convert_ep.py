@@ -14,9 +14,9 @@ from tests.dist_utils import run_distributed
 from tests.hf.models import SUPPORTED, assert_close, assert_outputs_close, batch, make_model, run
 
 
-def _check_preset(rank, world, name, ckpt):
+def _check_preset(rank, world, name, ckpt, **options):
     ref = make_model(name)  # same seed on every rank: replicated weights
-    conv = convert(copy.deepcopy(ref), ep_size=world)
+    conv = convert(copy.deepcopy(ref), ep_size=world, **options)
     for m in (ref, conv):
         m.train()
         if ckpt:
@@ -34,7 +34,7 @@ def _check_preset(rank, world, name, ckpt):
     ids, labels = batch(seed=rank)  # each rank its own tokens
     want = run(ref, ids, labels)
     got = run(conv, ids, labels)
-    tag = f"{name} ep{world} rank{rank}{' ckpt' if ckpt else ''}"
+    tag = f"{name} ep{world} rank{rank}{' ckpt' if ckpt else ''} {options}"
     assert_outputs_close(got, want, tag)
     for _, b in blocks:  # the recompute replayed the route: no second layout exchange
         counters = b.moe_layer.exchange.counters
@@ -72,6 +72,10 @@ def _all_presets(rank, world):
     for ckpt in (False, True):
         for name in SUPPORTED:
             _check_preset(rank, world, name, ckpt)
+        # The token-once exchange, with the skip: Qwen3-MoE and GPT-OSS (biases, interleaved).
+        for name in ("qwen3_moe", "gpt_oss"):
+            _check_preset(rank, world, name, ckpt, all_to_all_dedup=True,
+                          skip_recompute_combine=ckpt)
 
 
 def test_expert_parallel_presets_match_hf():

@@ -8,7 +8,6 @@ from .. import kernels
 from ..comm.base import sm_carveout
 from ..pure.experts import experts_bwd_weight
 from ..pure.router import RouterRes, router_bwd
-from ..pure.row_weight import RowWeightRes, row_weight_bwd
 from ._common import contiguous_grad, refuse_double_backward
 
 
@@ -139,15 +138,9 @@ class SkippedCombine(torch.autograd.Function):
     def backward(ctx, d_out):
         refuse_double_backward("SkippedCombine")
         d_out = contiguous_grad(d_out)
-        if ctx.weighted and hasattr(ctx.exchange, "combine_bwd_weighted_rows"):
-            rows, row_w = ctx.saved_tensors
-            d_rows, d_w = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows, row_w,
-                                                                 fused=ctx.fused)
-            return d_rows, d_w, None, None, None
-        d_rows = ctx.exchange.combine_bwd(ctx.handle, d_out)
         if not ctx.weighted:
-            return d_rows, None, None, None, None
+            return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None
         rows, row_w = ctx.saved_tensors
-        bwd = kernels.row_weight_bwd if ctx.fused else row_weight_bwd
-        d_rows, d_w = bwd(RowWeightRes(rows, row_w), d_rows)
+        d_rows, d_w = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows, row_w,
+                                                             fused=ctx.fused)
         return d_rows, d_w, None, None, None

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from .. import kernels
+from ..pure.row_weight import RowWeightRes, row_weight_bwd
+
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
                 "dispatch_backward", "combine_backward")
 
@@ -98,6 +101,14 @@ class Exchange:
                     t.record_stream(main)
             return dx, d_w
         return Pending(finish)
+
+    def combine_bwd_weighted_rows(self, handle, d_out, rows, row_weights, *, fused: bool):
+        """A combine's backward followed by the backward of the expert-side weighting that
+        preceded it (``rows * row_weights`` was combined): ``(d_rows, d_row_weights)``.
+        ``fused`` picks the Triton weighting kernel; exchanges may fuse more."""
+        d_rows = self.combine_bwd(handle, d_out)
+        bwd = kernels.row_weight_bwd if fused else row_weight_bwd
+        return bwd(RowWeightRes(rows, row_weights), d_rows)
 
     def reset_counters(self) -> None:
         for k in COUNTER_KEYS:

@@ -13,8 +13,12 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pure.dispatch import gather_sum_fwd, weighted_gather_sum_bwd, weighted_gather_sum_fwd
-from ..pure.row_weight import RowWeightRes, row_weight_bwd
+from ..pure.dispatch import (
+    gather_sum_fwd,
+    split_rows,
+    weighted_gather_sum_bwd,
+    weighted_gather_sum_fwd,
+)
 from ..records import RoutePlan, SortedRowsHandle
 from .base import Exchange, Pending
 
@@ -168,14 +172,14 @@ class SortedRowsExchange(Exchange):
 
     def combine_bwd_weighted_rows(self, handle: SortedRowsHandle, d_out, rows, row_weights, *,
                                   fused: bool):
-        """A combine backward followed by the expert-side weighting's backward
-        (``rows * row_weights`` was combined), with the last gather of the one fused into
-        the other when ``fused``: returns ``(d_rows, d_row_weights)``."""
+        """As ``Exchange.combine_bwd_weighted_rows``, with the combine backward's last gather
+        fused into the weighting's backward when ``fused``."""
+        if not fused:
+            return super().combine_bwd_weighted_rows(handle, d_out, rows, row_weights,
+                                                     fused=False)
         self.counters["combine_backward"] += 1
         src, index = self._to_experts_unordered(d_out, handle, async_op=True)()
-        if fused:
-            return kernels.gather_row_weight_bwd(src, index, rows, row_weights)
-        return row_weight_bwd(RowWeightRes(rows, row_weights), src.index_select(0, index))
+        return kernels.gather_row_weight_bwd(src, index, rows, row_weights)
 
     # ---- combine with the routing weights applied at home ----------------------------------
     def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle):
@@ -216,9 +220,7 @@ class SortedRowsExchange(Exchange):
             return kernels.weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k, split=split,
                                                    hi_out=hi_out)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
-        split = d_rows.shape[0] if split is None else split
-        hi = d_rows[split:] if hi_out is None else hi_out.copy_(d_rows[split:])
-        return d_rows[:split], hi, d_w
+        return (*split_rows(d_rows, split, hi_out), d_w)
 
 
 def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:

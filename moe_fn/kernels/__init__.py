@@ -160,12 +160,9 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
 
         return launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k,
                                               split=split, hi_out=hi_out)
-    from ..pure.dispatch import weighted_gather_sum_bwd as pure_bwd
-
-    d_rows, d_w = pure_bwd(d_out, rows, pos_to_row, weights, top_k)
-    split = rows.shape[0] if split is None else split
-    hi = d_rows[split:] if hi_out is None else hi_out.copy_(d_rows[split:])
-    return d_rows[:split], hi, d_w
+    d_rows, d_w = _pure_dispatch.weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights,
+                                                         top_k)
+    return (*_pure_dispatch.split_rows(d_rows, split, hi_out), d_w)
 
 
 def _use_layout_kernel(topk_idx) -> bool:

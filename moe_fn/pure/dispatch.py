@@ -262,6 +262,14 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     return out, WeightedGatherSumRes(rows, index, weights, top_k)
 
 
+def split_rows(rows, split: int | None, hi_out=None):
+    """``(rows[:split], rows[split:])``, the second copied into ``hi_out`` when given (the
+    layout the fused weighted-combine backward writes directly)."""
+    split = rows.shape[0] if split is None else split
+    hi = rows[split:] if hi_out is None else hi_out.copy_(rows[split:])
+    return rows[:split], hi
+
+
 # Row at position p holds flattened row r = pos_to_row[p] of token r // k:
 #   d_rows[p] = w[r] * d_out[r // k];  d_w[r] = <d_out[r // k], rows[p]>.
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):

@@ -76,6 +76,9 @@ def _all_presets(rank, world):
         for name in ("qwen3_moe", "gpt_oss"):
             _check_preset(rank, world, name, ckpt, all_to_all_dedup=True,
                           skip_recompute_combine=ckpt)
+            # Routing weights applied inside the fused combine at home (biases included).
+            _check_preset(rank, world, name, ckpt, combine_impl="fused",
+                          row_weighting_impl="fused", skip_recompute_combine=ckpt)
 
 
 def test_expert_parallel_presets_match_hf():

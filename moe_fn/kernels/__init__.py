@@ -25,7 +25,7 @@ from ..pure.row_weight import RowWeightRes
 from . import _registry
 from ._registry import use_triton
 from .dispatch_layout import launch_layout as _launch_layout
-from .router import launch_router_fwd
+from .router import groups_supported, launch_router_fwd
 
 __all__ = [
     "gather_row_weight_bwd",
@@ -115,13 +115,15 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
                topk_idx=None):
     """``moe_fn.pure.router.router_fwd`` with its forward fused into one Triton launch.
 
-    The kernel runs for CUDA float16/bfloat16/float32 logits without expert groups or a
-    replayed ``topk_idx``, in eager mode; everything else returns the pure function. No
-    custom op: under ``torch.compile`` the pure code is traced (Inductor fuses it itself).
+    The kernel runs for CUDA float16/bfloat16/float32 logits without a replayed
+    ``topk_idx`` (and, with expert groups, a power-of-two expert count), in eager mode;
+    everything else returns the pure function. No custom op: under ``torch.compile`` the
+    pure code is traced (Inductor fuses it itself).
     """
     pure = _pure_router
-    if (n_group != 1 or topk_idx is not None or torch.compiler.is_compiling()
-            or not isinstance(logits, torch.Tensor) or not use_triton(logits)):
+    if (topk_idx is not None or torch.compiler.is_compiling()
+            or not isinstance(logits, torch.Tensor) or not use_triton(logits)
+            or logits.dim() != 2 or not groups_supported(logits.shape[1], n_group)):
         return pure.router_fwd(logits, bias, top_k=top_k, score_func=score_func,
                                norm_topk_prob=norm_topk_prob, n_group=n_group,
                                topk_group=topk_group, group_score=group_score,
@@ -134,8 +136,10 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
                          topk_group=topk_group, group_score=group_score,
                          routed_scaling_factor=routed_scaling_factor)
     score_id = pure.SCORE_ID[score_func]
-    idx, w, scores, raw = launch_router_fwd(logits, bias, top_k=top_k, score_id=score_id,
-                                            norm=norm_topk_prob, scale=routed_scaling_factor)
+    idx, w, scores, raw = launch_router_fwd(
+        logits, bias, top_k=top_k, score_id=score_id, norm=norm_topk_prob,
+        scale=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
+        top2_sum=group_score == "top2_sum")
     res = pure.RouterRes(scores, idx, raw, num_experts, score_id, int(norm_topk_prob),
                          float(routed_scaling_factor), logits.dtype)
     return (idx, w), res

@@ -1,5 +1,5 @@
-"""Triton kernel of the router forward (``moe_fn.pure.router.router_fwd`` is the contract),
-no expert groups: scores, biased choice, top-k, gather, normalise and scale in ONE launch
+"""Triton kernel of the router forward (``moe_fn.pure.router.router_fwd`` is the contract):
+scores, biased choice, expert groups, top-k, gather, normalise and scale in ONE launch
 instead of ~15 small ops. One program owns ``BLOCK_T`` token rows and all E experts
 (``BLOCK_E = next_power_of_2(E)`` columns, masked); math is float32.
 
@@ -24,6 +24,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements per program (BLOCK_T * BLOCK_E): enough rows to fill the warps for small E.
 _TILE = 4096
 _KEY_MIN = tl.constexpr(-2147483648)  # below every real key (-inf gives 0x807FFFFF)
+_KEY_NEG_INF = tl.constexpr(-2139095041)  # the key of -inf (0x807FFFFF as int32)
 _NORM_EPS = tl.constexpr(NORM_EPS)  # jit code reads only constexpr globals
 
 
@@ -48,10 +49,50 @@ def _order_key(c):
 
 
 @triton.jit
+def _first_max(key, pos, vals, WIDTH: tl.constexpr, AXIS: tl.constexpr):
+    """Along ``AXIS`` (the last): the position of the largest key (ties to the lower
+    position), it as a mask, and the value there (an exact gather: -0.0 is the identity
+    of + for every float, -0.0 and NaN included)."""
+    kmax = tl.max(key, axis=AXIS)
+    first = tl.min(tl.where(key == tl.expand_dims(kmax, AXIS), pos, WIDTH), axis=AXIS)
+    hit = pos == tl.expand_dims(first, AXIS)
+    return first, hit, tl.sum(tl.where(hit, vals, -0.0), axis=AXIS)
+
+
+@triton.jit
+def _keep_groups(c, key, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr):
+    """DeepSeek-style group limit: the key with every expert outside the ``TOPK_GROUP``
+    best of ``N_GROUP`` contiguous groups set to the key of -inf (as the pure code's
+    ``masked_fill(-inf)``). A group scores its top-2 sum (``TOP2``) or its max, computed
+    on the order keys so NaN ranks as torch.topk ranks it; groups tie to the lower index."""
+    PG: tl.constexpr = BLOCK_E // N_GROUP
+    key3 = tl.reshape(key, (BLOCK_T, N_GROUP, PG))
+    c3 = tl.reshape(c, (BLOCK_T, N_GROUP, PG))
+    pos = tl.arange(0, PG)[None, None, :]
+    _, hit1, v1 = _first_max(key3, pos, c3, PG, 2)
+    gscore = v1
+    if TOP2:
+        _, _, v2 = _first_max(tl.where(hit1, _KEY_MIN, key3), pos, c3, PG, 2)
+        gscore = v1 + v2
+    gkey = _order_key(gscore)
+    gpos = tl.arange(0, N_GROUP)[None, :]
+    keep = tl.zeros((BLOCK_T, N_GROUP), dtype=tl.int32)
+    for _ in range(TOPK_GROUP):
+        _, hit, _ = _first_max(gkey, gpos, gscore, N_GROUP, 1)
+        keep = tl.where(hit, 1, keep)
+        gkey = tl.where(hit, _KEY_MIN, gkey)
+    keep_cols = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, N_GROUP, PG)),
+                           (BLOCK_T, BLOCK_E))
+    return tl.where(keep_cols != 0, key, _KEY_NEG_INF)
+
+
+@triton.jit
 def _router_fwd_kernel(x_ptr, bias_ptr, idx_ptr, raw_ptr, w_ptr, scores_ptr,
                        T, E, s_xr, s_xc, scale,
                        K: tl.constexpr, KP: tl.constexpr, SCORE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PRECISE: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
     rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -80,17 +121,14 @@ def _router_fwd_kernel(x_ptr, bias_ptr, idx_ptr, raw_ptr, w_ptr, scores_ptr,
     else:
         c = s
     key = tl.where(cmask[None, :], _order_key(c), _KEY_MIN)
+    if N_GROUP > 1:  # E == BLOCK_E here (the launcher's condition): no padded columns
+        key = _keep_groups(c, key, BLOCK_T, BLOCK_E, N_GROUP, TOPK_GROUP, TOP2)
 
     kcols = tl.arange(0, KP)
     idx_t = tl.zeros((BLOCK_T, KP), dtype=tl.int32)
     raw_t = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     for j in range(K):
-        kmax = tl.max(key, axis=1)
-        # The lowest column holding the row's largest key: ties go to the lower index.
-        pick = tl.min(tl.where(key == kmax[:, None], cols[None, :], BLOCK_E), axis=1)
-        hit = cols[None, :] == pick[:, None]
-        # -0.0 is the identity of + for every float (also -0.0 and NaN): an exact gather.
-        v = tl.sum(tl.where(hit, s, -0.0), axis=1)
+        pick, hit, v = _first_max(key, cols[None, :], s, BLOCK_E, 1)
         key = tl.where(hit, _KEY_MIN, key)
         here = kcols[None, :] == j
         idx_t = tl.where(here, pick[:, None], idx_t)
@@ -116,14 +154,25 @@ def _router_fwd_kernel(x_ptr, bias_ptr, idx_ptr, raw_ptr, w_ptr, scores_ptr,
     tl.store(w_ptr + offs, w_t, mask=mk2)
 
 
+def groups_supported(num_experts: int, n_group: int) -> bool:
+    """Expert groups run in the kernel when they tile a power-of-two expert count."""
+    return n_group == 1 or (num_experts & (num_experts - 1) == 0
+                            and num_experts % n_group == 0)
+
+
 def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *, top_k: int,
-                      score_id: int, norm: bool, scale: float):
+                      score_id: int, norm: bool, scale: float, n_group: int = 1,
+                      topk_group: int = 1, top2_sum: bool = True):
     """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``); arguments
-    already validated (``top_k <= E``). Returns ``(topk_idx int64 (T, k), w fp32 (T, k),
-    scores fp32 (T, E) for softmax else None, raw fp32 (T, k))``."""
+    already validated (``top_k <= E``, the group options). Returns ``(topk_idx int64
+    (T, k), w fp32 (T, k), scores fp32 (T, E) for softmax else None, raw fp32 (T, k))``.
+    Expert groups need ``groups_supported(E, n_group)``."""
     if logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"router kernel takes float16/bfloat16/float32 logits, got {logits.dtype}")
     t, e = logits.shape
+    if not groups_supported(e, n_group):
+        raise ValueError(f"the router kernel runs expert groups on a power-of-two expert "
+                         f"count divisible by n_group; got E={e}, n_group={n_group}")
     dev = logits.device
     idx = torch.empty((t, top_k), dtype=torch.int64, device=dev)
     raw = torch.empty((t, top_k), dtype=torch.float32, device=dev)
@@ -140,6 +189,7 @@ def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *,
         logits, b if b is not None else raw, idx, raw, w, scores if scores is not None else raw,
         t, e, logits.stride(0), logits.stride(1), float(scale),
         K=top_k, KP=triton.next_power_of_2(top_k), SCORE=score_id, HAS_BIAS=b is not None,
-        NORM=bool(norm), PRECISE=not interpreting(), BLOCK_T=block_t, BLOCK_E=block_e,
+        NORM=bool(norm), PRECISE=not interpreting(), N_GROUP=n_group,
+        TOPK_GROUP=topk_group, TOP2=bool(top2_sum), BLOCK_T=block_t, BLOCK_E=block_e,
         num_warps=4 if block_t * block_e >= 2048 else 2)
     return idx, w, scores, raw

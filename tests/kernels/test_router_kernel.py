@@ -43,15 +43,18 @@ def _logits(t, e, dtype=torch.float32, seed=0):
     return x.to(dtype)
 
 
-def _run_both(x, bias, *, top_k, score_func, norm, scale):
+def _run_both(x, bias, *, top_k, score_func, norm, scale, n_group=1, topk_group=1,
+              group_score="top2_sum"):
     with warnings.catch_warnings():
         # numpy (the interpreter) warns on the NaN/inf rows; torch does not.
         warnings.simplefilter("ignore", RuntimeWarning)
         got = launch_router_fwd(x.to(DEV), None if bias is None else bias.to(DEV),
                                 top_k=top_k, score_id=SCORE_ID[score_func], norm=norm,
-                                scale=scale)
+                                scale=scale, n_group=n_group, topk_group=topk_group,
+                                top2_sum=group_score == "top2_sum")
     (idx, w), res = router_fwd(x, bias, top_k=top_k, score_func=score_func,
-                               norm_topk_prob=norm, routed_scaling_factor=scale)
+                               norm_topk_prob=norm, routed_scaling_factor=scale,
+                               n_group=n_group, topk_group=topk_group, group_score=group_score)
     return [None if v is None else v.cpu() for v in got], (idx, w, res)
 
 
@@ -100,6 +103,31 @@ def test_kernel_strided_logits_and_many_blocks():
     for score_func in SCORE_FUNCS:
         got, want = _run_both(x, bias, top_k=8, score_func=score_func, norm=True, scale=2.0)
         _assert_matches(got, want)
+
+
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("e,n_group,topk_group,top_k", [(64, 8, 3, 8), (16, 4, 2, 8),
+                                                         (16, 4, 1, 1), (8, 2, 2, 8)])
+def test_kernel_expert_groups_match_pure(group_score, score_func, e, n_group, topk_group,
+                                         top_k):
+    """DeepSeek-V2/V3 group-limited routing, ties, NaN and infinities included."""
+    x = _logits(13, e, seed=e + n_group + topk_group)
+    x[8] = 0.0
+    x[8, : e // n_group] = 1.0  # group 0 wins outright; the rest tie
+    x[9] = torch.arange(e) % 3 * 0.5  # every group ties on its score
+    g = torch.Generator().manual_seed(6)
+    bias = torch.randint(-2, 3, (e,), generator=g) * 0.25  # DeepSeek-V3's correction bias
+    for b in (None, bias):
+        got, want = _run_both(x, b, top_k=top_k, score_func=score_func, norm=True, scale=2.5,
+                              n_group=n_group, topk_group=topk_group, group_score=group_score)
+        _assert_matches(got, want)
+
+
+def test_kernel_groups_need_a_power_of_two_expert_count():
+    with pytest.raises(ValueError, match="power-of-two expert count"):
+        launch_router_fwd(torch.zeros(2, 12, device=DEV), None, top_k=2, score_id=1,
+                          norm=False, scale=1.0, n_group=3, topk_group=1)
 
 
 def test_kernel_no_tokens():

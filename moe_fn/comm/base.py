@@ -119,6 +119,21 @@ class Exchange:
         return self.rank * self.num_local_experts
 
 
+def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):
+    """Received tokens' (T_recv, k) local expert ids (-1 where an expert lives elsewhere)
+    to expert rows: ``(token_of_row, slot_of_row, row_of_slot)``, rows grouped by local
+    expert and, within one, in (token, slot) order; ``row_of_slot`` is -1 off this rank.
+    ``num_rows`` (host int) is the number of ids >= 0.
+
+    A stable sort of the ids with "elsewhere" last: the dispatch layout (Triton on CUDA)."""
+    k = local_idx.shape[1]
+    key = torch.where(local_idx < 0, num_local_experts, local_idx)
+    _, _, perm, inv_perm = kernels.layout(key, num_local_experts + 1)
+    slots = perm[:num_rows]
+    row_of_slot = torch.where(inv_perm < num_rows, inv_perm, -1).reshape(local_idx.shape)
+    return slots // k, slots % k, row_of_slot
+
+
 @contextlib.contextmanager
 def sm_carveout(num_sms: int | None):
     """Withhold ``num_sms`` SMs from cuBLAS GEMMs inside the block (for overlapped comms).

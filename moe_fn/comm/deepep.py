@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import DeepEPHandle, RoutePlan
-from .base import Exchange, Pending
+from .base import Exchange, Pending, expand_received
 
 _HOW_TO_GET = (
     "comm_backend='deepep' needs DeepEP's v1 Buffer API (import deep_ep). The PyPI package "
@@ -75,19 +75,14 @@ class DeepEPExchange(Exchange):
             plan.topk_idx, self.num_experts)
         return plan, per_rank, per_expert, in_rank
 
-    def _expand(self, plan, recv_idx, recv_counts):
-        """Order (received token, slot) pairs by local expert; padding (-1) sorts last."""
-        k = plan.top_k
+    def _expand(self, recv_idx, recv_counts):
+        """Received (token, slot) pairs to rows grouped by local expert (DeepEP marks slots
+        whose expert lives elsewhere with -1)."""
         n = sum(recv_counts)
-        key = recv_idx.reshape(-1).to(torch.int64)
-        key = torch.where(key < 0, self.num_local_experts, key)
-        order = torch.sort(key, stable=True)[1][:n]
         offs = torch.tensor(recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-        row_of_slot = torch.full((recv_idx.numel(),), -1, dtype=torch.int64,
-                                 device=recv_idx.device)
-        row_of_slot[order] = torch.arange(n, device=recv_idx.device)
-        return (order // k, order % k, offs.to(recv_idx.device), n,
-                row_of_slot.reshape(recv_idx.shape))
+        token, slot, row_of_slot = expand_received(recv_idx.to(torch.int64),
+                                                   self.num_local_experts, n)
+        return token, slot, offs.to(recv_idx.device), n, row_of_slot
 
     def dispatch_fwd(self, x, weights, layout, *, cached: bool = False):
         self._check_rows("x", x)
@@ -112,7 +107,7 @@ class DeepEPExchange(Exchange):
                 num_tokens_per_expert=per_expert, topk_idx=plan.topk_idx,
                 topk_weights=weights.detach().to(torch.float32).contiguous(),
                 config=self.dispatch_config)
-            token, slot, offs, n, row_of_slot = self._expand(plan, recv_idx, recv_counts)
+            token, slot, offs, n, row_of_slot = self._expand(recv_idx, recv_counts)
             handle = DeepEPHandle(plan=plan, deepep_handle=dh, token_of_row=token,
                                   slot_of_row=slot, num_recv_tokens=recv_x.shape[0],
                                   local_offs=offs, num_rows=n, recv_weights=recv_w,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import RoutePlan, TokenExchangeHandle
-from .base import Exchange, Pending
+from .base import Exchange, Pending, expand_received
 
 
 class TokenAllToAllExchange(Exchange):
@@ -38,7 +38,7 @@ class TokenAllToAllExchange(Exchange):
     # ---- layout: one counts exchange, one host sync, the received tokens' expert ids ------
     def layout(self, plan: RoutePlan) -> TokenExchangeHandle:
         self.counters["layout"] += 1
-        ep, e_local, k = self.ep_size, self.num_local_experts, plan.top_k
+        ep, e_local = self.ep_size, self.num_local_experts
         idx = plan.topk_idx
         t = idx.shape[0]
         dev = idx.device
@@ -65,16 +65,14 @@ class TokenAllToAllExchange(Exchange):
         recv_idx, _ = self._exchange(idx.index_select(0, send_tokens), send_splits,
                                      recv_splits)
         local = recv_idx - self.rank * e_local
-        local = torch.where((local >= 0) & (local < e_local), local, e_local)
-        slots = torch.sort(local.reshape(-1), stable=True)[1][:num_rows]
-        row_of_slot = torch.full((local.numel(),), -1, dtype=torch.int64, device=dev)
-        row_of_slot[slots] = torch.arange(num_rows, device=dev)
+        local = torch.where((local >= 0) & (local < e_local), local, -1)
+        token_of_row, slot_of_row, row_of_slot = expand_received(local, e_local, num_rows)
         local_counts = recv_counts[:, 1:].sum(0)
         return TokenExchangeHandle(
             plan=plan, send_tokens=send_tokens, send_splits=tuple(send_splits),
             recv_splits=tuple(recv_splits), home_table=home_table,
-            owner_pos=home_table.gather(1, dest), token_of_row=slots // k,
-            slot_of_row=slots % k, row_of_slot=row_of_slot.reshape(local.shape),
+            owner_pos=home_table.gather(1, dest), token_of_row=token_of_row,
+            slot_of_row=slot_of_row, row_of_slot=row_of_slot,
             local_offs=torch.cumsum(local_counts, 0).to(torch.int32), num_rows=num_rows,
             num_recv_tokens=sum(recv_splits))
 

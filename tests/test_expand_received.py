@@ -1,0 +1,33 @@
+"""expand_received (the token-once exchanges' expansion of received tokens into expert
+rows, DeepEP's included) against a naive per-slot construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fn.comm.base import expand_received
+
+
+def naive(local_idx, e_local):
+    rows = [(int(e), t, j) for t, r in enumerate(local_idx.tolist()) for j, e in enumerate(r)
+            if e >= 0]
+    rows.sort(key=lambda r: r[0])  # stable: (token, slot) order within an expert
+    row_of_slot = torch.full(local_idx.shape, -1, dtype=torch.int64)
+    for i, (_, t, j) in enumerate(rows):
+        row_of_slot[t, j] = i
+    return (torch.tensor([t for _, t, _ in rows], dtype=torch.int64),
+            torch.tensor([j for _, _, j in rows], dtype=torch.int64), row_of_slot)
+
+
+@pytest.mark.parametrize("r,k,e_local", [(9, 4, 3), (5, 2, 1), (0, 3, 2), (6, 8, 16)])
+def test_expand_received_matches_naive(r, k, e_local):
+    g = torch.Generator().manual_seed(r + k)
+    local = torch.randint(-1, e_local, (r, k), generator=g)
+    if r:
+        local[0] = -1  # a token with no expert on this rank
+    n = int((local >= 0).sum())
+    got = expand_received(local, e_local, n)
+    want = naive(local, e_local)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.reshape(a.shape)), (a, b)

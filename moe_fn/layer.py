@@ -100,8 +100,9 @@ class MoELayer(nn.Module):
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
     Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
     local and all_to_all exchanges with ``combine_impl="fused"`` they enter the combine's
-    sum at home (one fused pass, nothing extra sent), elsewhere they scale the expert rows
-    before a plain-sum combine (DeepEP sums on the expert side).
+    sum at home (one fused pass, nothing extra sent); on the token-once exchanges (DeepEP,
+    ``all_to_all_dedup``) with ``row_weighting_impl="fused"`` they enter the expert side's
+    per-token sum; elsewhere they scale the expert rows before a plain-sum combine.
     """
 
     def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):
@@ -194,6 +195,10 @@ class MoELayer(nn.Module):
         # weighting: its backward needs the rows there.
         home_w = (c.score_apply == "post" and c.combine_impl == "fused"
                   and self.exchange.home_weighting and not skip)
+        # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
+        # their expert-side per-token sum instead.
+        fold_w = (c.score_apply == "post" and c.row_weighting_impl == "fused"
+                  and self.exchange.folds_row_weights and not skip)
         sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
@@ -205,11 +210,12 @@ class MoELayer(nn.Module):
             rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, entry.handle, True,
                                                  *overlap)
         y = self.expert_compute(rows, row_w, handle.local_offs,
-                                post_weighting=not (skip or home_w), slot=slot)
+                                post_weighting=not (skip or home_w or fold_w), slot=slot)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")
         else:
-            out = Combine.apply(y, self.exchange, handle, w if home_w else None)
+            out = Combine.apply(y, self.exchange, handle, w if home_w else None,
+                                row_w if fold_w else None)
         out = out.reshape(shape)
         return (out, logits) if return_router_logits else out

@@ -90,27 +90,37 @@ class Combine(torch.autograd.Function):
     """Expert rows back to their tokens, summed over k; backward is a cached dispatch.
 
     With ``weights (T, k)`` (exchanges with ``home_weighting``) the sum is weighted at
-    home and the backward also returns the weights' gradient."""
+    home; with ``row_weights (N,)`` (exchanges that ``fold_row_weights``) each row is
+    weighted inside the expert side's per-token sum. Either way the backward also returns
+    the weights' gradient."""
 
     @staticmethod
-    def forward(ctx, rows, exchange, handle, weights=None):
+    def forward(ctx, rows, exchange, handle, weights=None, row_weights=None):
         ctx.exchange, ctx.handle = exchange, handle
-        ctx.weighted = weights is not None
-        if not ctx.weighted:
-            return exchange.combine_fwd(rows, handle)[0]
-        out, src = exchange.combine_weighted_fwd(rows, weights, handle)
-        ctx.save_for_backward(src, weights)
-        return out
+        ctx.mode = "home" if weights is not None else "rows" if row_weights is not None else ""
+        if ctx.mode == "home":
+            out, src = exchange.combine_weighted_fwd(rows, weights, handle)
+            ctx.save_for_backward(src, weights)
+            return out
+        if ctx.mode == "rows":
+            ctx.save_for_backward(rows, row_weights)
+            return exchange.combine_row_weighted_fwd(rows, row_weights, handle)
+        return exchange.combine_fwd(rows, handle)[0]
 
     @staticmethod
     def backward(ctx, d_out):
         refuse_double_backward("Combine")
         d_out = contiguous_grad(d_out)
-        if not ctx.weighted:
-            return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None
-        src, weights = ctx.saved_tensors
-        d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
-        return d_rows, None, None, d_w
+        if ctx.mode == "home":
+            src, weights = ctx.saved_tensors
+            d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
+            return d_rows, None, None, d_w, None
+        if ctx.mode == "rows":
+            rows, row_weights = ctx.saved_tensors
+            d_rows, d_rw = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows,
+                                                                  row_weights, fused=True)
+            return d_rows, None, None, None, d_rw
+        return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None
 
 
 class SkippedCombine(torch.autograd.Function):

@@ -62,6 +62,9 @@ class Exchange:
 
     backend: str = "?"
     home_weighting: bool = False
+    # The combine can fold expert-side row weights into its per-token sum
+    # (``combine_row_weighted_fwd``; see ``moe_fn.comm.tokens``).
+    folds_row_weights: bool = False
 
     def __init__(self, *, num_experts: int, ep_size: int = 1, rank: int = 0, group=None):
         if num_experts % ep_size:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import DeepEPHandle, RoutePlan
-from .base import Exchange, Pending, expand_received
+from .base import Pending, expand_received
+from .tokens import TokenRowsExchange
 
 _HOW_TO_GET = (
     "comm_backend='deepep' needs DeepEP's v1 Buffer API (import deep_ep). The PyPI package "
@@ -46,7 +47,7 @@ def _buffer(deep_ep, group, hidden_bytes: int, configs):
     return buf
 
 
-class DeepEPExchange(Exchange):
+class DeepEPExchange(TokenRowsExchange):
     backend = "deepep"
 
     def __init__(self, *, num_experts: int, group=None, hidden_size: int, num_sms: int = 20):
@@ -125,15 +126,10 @@ class DeepEPExchange(Exchange):
         # the GEMMs in our measurements.
         return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
 
-    def _sum_per_token(self, rows, handle):
-        """Each received token's local expert rows, summed (float32 accumulation): one
-        gather-sum pass through ``row_of_slot``, no atomics."""
-        return kernels.masked_gather_sum(rows, handle.row_of_slot)
-
     def dispatch_bwd(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
         self.counters["dispatch_backward"] += 1
-        d_recv = self._sum_per_token(d_rows, handle)
+        d_recv = kernels.masked_gather_sum(d_rows, handle.row_of_slot)  # per received token
         d_recv_w = None
         if d_row_weights is not None:
             table = handle.row_of_slot
@@ -151,16 +147,15 @@ class DeepEPExchange(Exchange):
         pending = Pending(finish)
         return pending if async_op else pending.wait()
 
-    def combine_fwd(self, rows, handle: DeepEPHandle):
-        self._check_rows("rows", rows)
-        self.counters["combine"] += 1
-        out, _, _ = self.buffer.combine(self._sum_per_token(rows, handle), handle.deepep_handle,
+    # ---- the combine's transports (the combine itself: TokenRowsExchange) ----------------
+    def _partials_home(self, partials, handle: DeepEPHandle):
+        self._check_rows("rows", partials)
+        out, _, _ = self.buffer.combine(partials, handle.deepep_handle,
                                         config=self.combine_config)
-        return out, handle
+        return out
 
-    def combine_bwd(self, handle: DeepEPHandle, d_out):
-        self.counters["combine_backward"] += 1
+    def _tokens_to_experts(self, d_out, handle: DeepEPHandle):
         d_recv, *_ = self.buffer.dispatch(d_out.to(torch.bfloat16).contiguous(),
                                           handle=handle.deepep_handle,
                                           config=self.dispatch_config)
-        return d_recv.index_select(0, handle.token_of_row)
+        return d_recv

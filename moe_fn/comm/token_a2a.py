@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import RoutePlan, TokenExchangeHandle
-from .base import Exchange, Pending, expand_received
+from .base import Pending, expand_received
+from .tokens import TokenRowsExchange
 
 
-class TokenAllToAllExchange(Exchange):
+class TokenAllToAllExchange(TokenRowsExchange):
     backend = "all_to_all"
 
     def __init__(self, *, num_experts: int, group=None):
@@ -142,14 +143,9 @@ class TokenAllToAllExchange(Exchange):
         pending = Pending(finish)
         return pending if async_op else pending.wait()
 
-    # ---- combine ------------------------------------------------------------------------
-    def combine_fwd(self, rows, handle: TokenExchangeHandle):
-        self.counters["combine"] += 1
-        partials = kernels.masked_gather_sum(rows, handle.row_of_slot)
-        return self._to_home(partials, handle, async_op=True)(), handle
+    # ---- the combine's transports (the combine itself: TokenRowsExchange) ----------------
+    def _partials_home(self, partials, handle: TokenExchangeHandle):
+        return self._to_home(partials, handle, async_op=True)()
 
-    # d_rows[i] = d_out[home token of row i]: a cached dispatch of the output gradient.
-    def combine_bwd(self, handle: TokenExchangeHandle, d_out):
-        self.counters["combine_backward"] += 1
-        recv = self._to_receivers(d_out, handle, async_op=True)()
-        return recv.index_select(0, handle.token_of_row)
+    def _tokens_to_experts(self, d_out, handle: TokenExchangeHandle):
+        return self._to_receivers(d_out, handle, async_op=True)()

@@ -135,10 +135,24 @@ def build_reference(args, device, dtype):
     return model.to(dtype)
 
 
-def make_arm(ref, options, *, convert_it: bool, ep: int, group, foreach: bool):
+class _MoERemoved(torch.nn.Module):
+    """Stands in for a sparse MoE block: adds nothing to the residual stream."""
+
+    def forward(self, hidden_states):
+        return torch.zeros_like(hidden_states)
+
+
+def make_arm(ref, options, *, how: str, ep: int, group, foreach: bool):
+    """``how``: "hf" (as built), "convert" (moe_fn.hf.convert with ``options``) or
+    "remove_moe" (every sparse MoE block replaced by zeros: the rest of the step alone,
+    experts neither run nor updated — the floor under any MoE implementation's step)."""
     model = copy.deepcopy(ref)
-    if convert_it:
+    if how == "convert":
         convert(model, process_group=group, ep_size=ep, **options)
+    elif how == "remove_moe":
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp = _MoERemoved()
     model.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -200,12 +214,13 @@ def run_arms(args, arms: dict, refs: list, device, group, results, out_path):
     ref = refs.pop()
     res = results["arms"]
     live = {}
-    for name, (options, convert_it) in arms.items():
-        res[name] = {"options": options, "converted": convert_it, "status": "ok",
+    for name, (options, how) in arms.items():
+        res[name] = {"options": options, "converted": how == "convert", "build": how,
+                     "status": "ok",
                      "losses": [], "step_ms": []}
         err = None
         try:
-            live[name] = make_arm(ref, options, convert_it=convert_it, ep=ep, group=group,
+            live[name] = make_arm(ref, options, how=how, ep=ep, group=group,
                                   foreach=device.type == "cuda")
         except Exception as e:  # OOM is recorded, anything else raised
             if not is_oom(e):
@@ -275,12 +290,14 @@ def summarise(args, results):
         timed = r["step_ms"][args.warmup:]
         r["median_ms"] = statistics.median(timed) if timed else None
         r["timed_steps"] = len(timed)
-    first = [r["losses"][0] for r in arms.values() if r["losses"]]
+    # The MoE-removed bound is another model: its losses are not compared.
+    same = [r for r in arms.values() if r["losses"] and r.get("build") != "remove_moe"]
+    first = [r["losses"][0] for r in same]
     results["step1_loss_spread"] = max(first) - min(first) if first else None
-    n = min((len(r["losses"]) for r in arms.values() if r["losses"]), default=0)
+    n = min((len(r["losses"]) for r in same), default=0)
     results["loss_spread_per_step"] = [
-        max(r["losses"][i] for r in arms.values() if r["losses"])
-        - min(r["losses"][i] for r in arms.values() if r["losses"]) for i in range(n)]
+        max(r["losses"][i] for r in same) - min(r["losses"][i] for r in same)
+        for i in range(n)]
     base_arm = arms.get(results["baseline"], {})
     base = base_arm.get("median_ms")
     base_steps = base_arm.get("step_ms", [])[args.warmup:]
@@ -412,10 +429,11 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="Setting the SM carveout")
 
     if args.single:
-        arms = {"hf_grouped_mm": ({}, False), "moe_fn_local": (SINGLE_ON, True)}
+        arms = {"hf_grouped_mm": ({}, "hf"), "moe_fn_local": (SINGLE_ON, "convert"),
+                "moe_removed_bound": ({}, "remove_moe")}
         baseline = "hf_grouped_mm"
     else:
-        arms = {k: (v, True) for k, v in
+        arms = {k: (v, "convert") for k, v in
                 ep_arms(args.comm_num_sm, args.comm).items()}
         baseline = "off"
     if args.arms:

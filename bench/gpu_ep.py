@@ -140,6 +140,18 @@ def parity(have_deepep, results):
 QWEN = dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8)
 
 
+def dispatch_once(layer, x):
+    """Route ``x`` and dispatch it as the layer's forward does; with home weighting
+    (all_to_all's fused combine) the weights stay home and enter the combine's sum there.
+    Returns ``(idx, w, sent_w, plan, rows, row_w, handle)``."""
+    ex = layer.exchange
+    _, idx, w = layer.route(x)
+    plan = moe_fn.layer.make_route_plan(idx, layer.config.num_experts)
+    sent_w = None if getattr(ex, "fused_combine", False) else w
+    rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
+    return idx, w, sent_w, plan, rows, row_w, handle
+
+
 def layer_bench(have_deepep, results, tokens, reps):
     flops = 2 * tokens * 8 * 2048 * 3 * 768
     for backend in backends(have_deepep):
@@ -164,12 +176,7 @@ def layer_bench(have_deepep, results, tokens, reps):
         # all_to_all_single of the same bytes.
         ex = layer.exchange
         with torch.no_grad():
-            _, idx, w = layer.route(x)
-            plan = moe_fn.layer.make_route_plan(idx, 128)
-            # What the layer moves: with home weighting (all_to_all) the weights stay home
-            # and enter the combine's sum there.
-            sent_w = None if getattr(ex, "fused_combine", False) else w
-            rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
+            idx, w, sent_w, plan, rows, row_w, handle = dispatch_once(layer, x)
 
             def fresh():
                 p = moe_fn.layer.make_route_plan(idx, 128)
@@ -291,10 +298,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
             # The two pieces alone: dW GEMMs and the backward combine (dispatch backward).
             ex = layer.exchange
             with torch.no_grad():
-                _, idx, w = layer.route(x)
-                plan = moe_fn.layer.make_route_plan(idx, 128)
-                sent_w = None if getattr(ex, "fused_combine", False) else w
-                rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
+                *_, rows, row_w, handle = dispatch_once(layer, x)
                 d_rows = torch.randn_like(rows)
                 _, res = experts_fwd(rows, layer.experts.gate_up_proj, layer.experts.down_proj,
                                      handle.local_offs, act_id=0, alpha=0.0, limit=0.0,

@@ -87,36 +87,34 @@ class SortedRowsExchange(Exchange):
         itself."""
         if h.self_dst is None:  # one rank: sorted order is expert order
             return lambda: (token_rows, h.self_tokens)
-        n_recv = sum(h.recv_splits)
-        # [received rows; own rows], then one gather into expert order. The own rows are
-        # gathered while the remote ones are in flight.
-        buf = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
-        _, work = self._exchange(token_rows.index_select(0, h.remote_tokens), h.send_splits,
-                                 h.recv_splits, async_op=async_op, out=buf[:n_recv])
-        torch.index_select(token_rows, 0, h.self_tokens, out=buf[n_recv:])
-
-        def finish():
-            if work is not None:
-                work.wait()
-            return buf, h.expert_src
-        return finish
+        # [received rows; own rows], then one gather into expert order.
+        return self._move(token_rows, h.remote_tokens, h.self_tokens, h.send_splits,
+                          h.recv_splits, h.num_rows, h.expert_src, async_op)
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
         """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order)`` where
         ``src[order]`` are the home rank's rows in (token, k) order, ``(T*k, D)``."""
         if h.self_dst is None:
             return lambda: (expert_rows, h.plan.inv_perm)
-        n_remote = sum(h.send_splits)
         # [remote rows as they return; own rows]: one later gather puts them in (t, k) order.
-        buf = expert_rows.new_empty((h.home_order.numel(), *expert_rows.shape[1:]))
-        _, work = self._exchange(expert_rows.index_select(0, h.recv_dst), h.recv_splits,
-                                 h.send_splits, async_op=async_op, out=buf[:n_remote])
-        torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_remote:])
+        return self._move(expert_rows, h.recv_dst, h.self_dst, h.recv_splits, h.send_splits,
+                          h.home_order.numel(), h.home_order, async_op)
+
+    def _move(self, rows, send_index, own_index, send_splits, recv_splits, num_rows, order,
+              async_op):
+        """Either direction's move: ``rows[send_index]`` go out, what arrives fills the
+        front of a ``num_rows`` buffer and ``rows[own_index]`` its tail (copied while the
+        remote rows are in flight); ``finish() -> (buffer, order)``."""
+        n_in = sum(recv_splits)
+        buf = rows.new_empty((num_rows, *rows.shape[1:]))
+        _, work = self._exchange(rows.index_select(0, send_index), send_splits, recv_splits,
+                                 async_op=async_op, out=buf[:n_in])
+        torch.index_select(rows, 0, own_index, out=buf[n_in:])
 
         def finish():
             if work is not None:
                 work.wait()
-            return buf, h.home_order
+            return buf, order
         return finish
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import kernels
 from ..pure.row_weight import RowWeightRes, row_weight_bwd
@@ -120,6 +121,28 @@ class Exchange:
     @property
     def first_local_expert(self) -> int:
         return self.rank * self.num_local_experts
+
+
+class AllToAllTransport:
+    """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on
+    CPUs): the transport of both all_to_all exchanges (rows, and tokens once)."""
+
+    backend = "all_to_all"
+
+    @staticmethod
+    def _group_size_and_rank(group) -> tuple[int, int]:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
+                               "(dist.init_process_group) before the layer is built")
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
+        rows = rows.contiguous()
+        if out is None:
+            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
+                                      group=self.group, async_op=async_op)
+        return out, work
 
 
 def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):

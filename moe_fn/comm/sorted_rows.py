@@ -20,7 +20,7 @@ from ..pure.dispatch import (
     weighted_gather_sum_fwd,
 )
 from ..records import RoutePlan, SortedRowsHandle
-from .base import Exchange, Pending
+from .base import AllToAllTransport, Exchange, Pending
 
 
 def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -255,27 +255,13 @@ def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=Non
                             flat=flat, **kw)
 
 
-class AllToAllExchange(SortedRowsExchange):
-    """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on CPUs)."""
-
-    backend = "all_to_all"
+class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
+    """One row per (token, expert) over ``all_to_all_single`` with split sizes."""
 
     def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
         self.fused_combine = fused_combine
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
-                               "(dist.init_process_group) before the layer is built")
-        ep = dist.get_world_size(group)
-        super().__init__(num_experts=num_experts, ep_size=ep, rank=dist.get_rank(group),
-                         group=group)
-
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
-        rows = rows.contiguous()
-        if out is None:
-            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
-                                      group=self.group, async_op=async_op)
-        return out, work
+        ep, rank = self._group_size_and_rank(group)
+        super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
 
     def _layout_counts(self, plan):
         ep, e_local, r = self.ep_size, self.num_local_experts, self.rank

@@ -15,26 +15,14 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import RoutePlan, TokenExchangeHandle
-from .base import Pending, expand_received
+from .base import AllToAllTransport, Pending, expand_received
 from .tokens import TokenRowsExchange
 
 
-class TokenAllToAllExchange(TokenRowsExchange):
-    backend = "all_to_all"
-
+class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
     def __init__(self, *, num_experts: int, group=None):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
-                               "(dist.init_process_group) before the layer is built")
-        super().__init__(num_experts=num_experts, ep_size=dist.get_world_size(group),
-                         rank=dist.get_rank(group), group=group)
-
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False):
-        rows = rows.contiguous()
-        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
-                                      group=self.group, async_op=async_op)
-        return out, work
+        ep, rank = self._group_size_and_rank(group)
+        super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
 
     # ---- layout: one counts exchange, one host sync, the received tokens' expert ids ------
     def layout(self, plan: RoutePlan) -> TokenExchangeHandle:

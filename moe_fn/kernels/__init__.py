@@ -20,6 +20,7 @@ import torch
 
 from ..pure import dispatch as _pure_dispatch
 from ..pure import router as _pure_router
+from ..pure import row_weight as _pure_row_weight
 from ..pure.activations import SwigluPackedRes, SwigluRes
 from ..pure.row_weight import RowWeightRes
 from . import _registry
@@ -103,10 +104,8 @@ def row_weight_bwd(res: RowWeightRes, d_out, *, needs=(True, True)):
 
 def gather_sum_fwd(rows, index, top_k: int):
     """``out[t] = sum_j rows[index[t*k + j]]`` in one pass (the fused combine)."""
-    from ..pure.dispatch import GatherSumRes
-
     out = _op("gather_sum")(rows, index, int(top_k))
-    return out, GatherSumRes(index, rows.shape[0], int(top_k))
+    return out, _pure_dispatch.GatherSumRes(index, rows.shape[0], int(top_k))
 
 
 def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
@@ -147,10 +146,8 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
 
 def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     """``out[t] = sum_j weights[t*k + j] * rows[index[t*k + j]]`` in one pass."""
-    from ..pure.dispatch import WeightedGatherSumRes
-
     out = _op("weighted_gather_sum")(rows, index, weights, int(top_k))
-    return out, WeightedGatherSumRes(rows, index, weights, int(top_k))
+    return out, _pure_dispatch.WeightedGatherSumRes(rows, index, weights, int(top_k))
 
 
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
@@ -203,9 +200,8 @@ def gather_row_weight_bwd(src, index, rows, weights):
         from .gather_sum import launch_gather_row_weight_bwd
 
         return launch_gather_row_weight_bwd(src, index, rows, weights)
-    from ..pure.row_weight import RowWeightRes, row_weight_bwd
-
-    return row_weight_bwd(RowWeightRes(rows, weights), src.index_select(0, index))
+    return _pure_row_weight.row_weight_bwd(RowWeightRes(rows, weights),
+                                           src.index_select(0, index))
 
 
 def masked_gather_sum(rows, table, weights=None):

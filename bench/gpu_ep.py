@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -228,47 +229,51 @@ def layer_bench(have_deepep, results, tokens, reps):
 
 
 def recompute_bench(have_deepep, results, tokens, reps):
+    """Forward + checkpointed recompute + backward with the skip off and on: the two
+    layers interleaved rep by rep, saving = median of the paired differences."""
     for backend in backends(have_deepep):
-        for skip in (False, True):
-            layer, _ = build(QWEN, backend, row_weighting_impl="fused",
-                             skip_recompute_combine=skip)
-            x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
-                            requires_grad=True)
-            dy = torch.randn_like(x)
+        layers = [build(QWEN, backend, row_weighting_impl="fused",
+                        skip_recompute_combine=skip)[0] for skip in (False, True)]
+        x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
 
-            def step():
-                for p in layer.parameters():
-                    p.grad = None
-                moe_fn.checkpoint(lambda h: h + layer(h), x).backward(dy)
-            t = timed(step, reps)
-            c = dict(layer.exchange.counters)
-            results["recompute"][f"{backend} skip={skip}"] = {"fwd_recompute_bwd_ms": t,
-                                                             "counters": c}
-            say(f"recompute {backend} skip={skip}: {t:.3f} ms counters {c}")
-        on = results["recompute"][f"{backend} skip=True"]["fwd_recompute_bwd_ms"]
-        off = results["recompute"][f"{backend} skip=False"]["fwd_recompute_bwd_ms"]
-        comb = results["exchange"][backend]["combine_ms"]
-        results["recompute"][f"{backend} saved"] = {
-            "saved_ms": off - on, "forward_combine_ms": comb,
-            "saved_fraction_of_combine": (off - on) / comb}
-        say(f"recompute {backend}: skip saves {off - on:.3f} ms of a {comb:.3f} ms combine")
-
-
-def backward_times(layers, x, dy, reps, warmup=5):
-    """Backward-only CUDA-event times (max over ranks per rep) of each layer, the layers
-    interleaved rep by rep so that drift of the shared machine hits every arm alike. The
-    forward runs untimed before each timed backward."""
-    times = [[] for _ in layers]
-    for rep in range(warmup + reps):
-        for i, layer in enumerate(layers):
+        def step(layer):
             for p in layer.parameters():
                 p.grad = None
-            out = layer(x)
+            moe_fn.checkpoint(lambda h: h + layer(h), x).backward(dy)
+        for layer in layers:
+            layer.exchange.reset_counters()
+        off, on = interleaved_times([(None, lambda lay=lay: step(lay)) for lay in layers],
+                                    3 * reps)
+        for skip, layer, times in ((False, layers[0], off), (True, layers[1], on)):
+            c = dict(layer.exchange.counters)
+            results["recompute"][f"{backend} skip={skip}"] = {
+                "fwd_recompute_bwd_ms": statistics.median(times), "counters": c}
+            say(f"recompute {backend} skip={skip}: {statistics.median(times):.3f} ms "
+                f"counters {c}")
+        saved = statistics.median(a - b for a, b in zip(off, on))
+        comb = results["exchange"][backend]["combine_ms"]
+        results["recompute"][f"{backend} saved"] = {
+            "paired_saving_ms": saved, "forward_combine_ms": comb,
+            "saved_fraction_of_combine": saved / comb}
+        say(f"recompute {backend}: skip saves {saved:.3f} ms (paired median) of a "
+            f"{comb:.3f} ms combine")
+
+
+def interleaved_times(arms, reps, warmup=5):
+    """CUDA-event times (max over ranks per rep) of each arm's ``timed()``, after its
+    untimed ``setup()`` (or None), the arms interleaved rep by rep so that drift of the
+    shared machine hits every arm alike."""
+    times = [[] for _ in arms]
+    for rep in range(warmup + reps):
+        for i, (setup, timed_fn) in enumerate(arms):
+            if setup is not None:
+                setup()
             torch.cuda.synchronize()
             dist.barrier()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            out.backward(dy)
+            timed_fn()
             e.record()
             torch.cuda.synchronize()
             t = torch.tensor([s.elapsed_time(e)], device="cuda")
@@ -278,13 +283,31 @@ def backward_times(layers, x, dy, reps, warmup=5):
     return times
 
 
+def backward_times(layers, x, dy, reps, warmup=5):
+    """Backward-only times of each layer, interleaved; the forward runs untimed."""
+    outs = {}
+
+    def forward(i, layer):
+        for p in layer.parameters():
+            p.grad = None
+        outs[i] = layer(x)
+    return interleaved_times([(lambda i=i, lay=lay: forward(i, lay),
+                               lambda i=i: outs.pop(i).backward(dy))
+                              for i, lay in enumerate(layers)], reps, warmup)
+
+
 def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
-        for sms in (12, 20, 24):
+        # all_to_all: the backward combine's gathers on a side stream (the library's
+        # default) or on the compute stream around NCCL's asynchronous transfer.
+        modes = (True, False) if backend.startswith("all_to_all") else (None,)
+        for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
             arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
                           overlap_weight_grad=overlap, comm_num_sm=sms)[0]
                     for overlap in (False, True)]
+            if side is not None:
+                arms[1].exchange.combine_on_side_stream = side
             x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True)
             dy = torch.randn_like(x)
@@ -308,8 +331,9 @@ def overlap_bench(have_deepep, results, tokens, reps):
                 t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
             hidden = row["paired_saving_ms"] / min(t_dw, t_comb)
             row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
-            results["overlap"][f"{backend} sm={sms}"] = row
-            say(f"overlap {backend} comm_num_sm={sms}: {row}")
+            tag = "" if side is None else f" side_stream={side}"
+            results["overlap"][f"{backend} sm={sms}{tag}"] = row
+            say(f"overlap {backend} comm_num_sm={sms}{tag}: {row}")
         trace_overlap(layer, x, dy, results, backend)
 
 

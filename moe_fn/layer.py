@@ -166,6 +166,21 @@ class MoELayer(nn.Module):
             y = self._weight_rows(y, row_w)
         return y
 
+    def _check_capturable(self, region) -> None:
+        # A captured graph replays kernels only: the host-side work these paths do per
+        # call (split sizes read back, replay entries recorded and consumed) would run
+        # once, at capture, and every replay would reuse it.
+        if self.exchange.backend != "local":
+            raise RuntimeError(
+                f"CUDA graph capture of a MoELayer needs comm_backend='local'; "
+                f"{self.exchange.backend!r} reads split sizes on the host every call. "
+                "Capture the dense parts only, or run this layer eagerly.")
+        if region is not None:
+            raise RuntimeError(
+                "CUDA graph capture inside moe_fn.checkpoint or an HF checkpointed block "
+                "is not supported: routing replay records and consumes entries on the "
+                "host. Capture the layer outside the checkpoint, or run it eagerly.")
+
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
         c = self.config
         if not isinstance(x, torch.Tensor):
@@ -179,6 +194,8 @@ class MoELayer(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capturable(region)
         entry = region.consume(self) if region is not None and region.replaying else None
         logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
         overlap = ()

@@ -244,3 +244,13 @@ TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}
 def test_expert_parallel_matches_single_process(world):
     # Worlds 4 and 8 include a rank with no tokens of its own.
     run_distributed(_ep_body, world, TOKENS[world])
+
+
+def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
+    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
+    layer._check_capturable(None)  # local, no checkpoint: capturable
+    with pytest.raises(RuntimeError, match="inside moe_fn.checkpoint"):
+        layer._check_capturable(object())
+    layer.exchange.backend = "all_to_all"
+    with pytest.raises(RuntimeError, match="needs comm_backend='local'"):
+        layer._check_capturable(None)

@@ -66,6 +66,8 @@ class Exchange:
     # The combine can fold expert-side row weights into its per-token sum
     # (``combine_row_weighted_fwd``; see ``moe_fn.comm.tokens``).
     folds_row_weights: bool = False
+    # Where an overlapped backward combine runs its gathers (``start_dispatch_bwd``).
+    combine_on_side_stream: bool = True
 
     def __init__(self, *, num_experts: int, ep_size: int = 1, rank: int = 0, group=None):
         if num_experts % ep_size:
@@ -81,11 +83,14 @@ class Exchange:
         """Start the dispatch backward (the combine of dX) so that it overlaps what the
         caller runs next; ``wait()`` on the result returns ``(dx, d_weights)``.
 
-        On CUDA the whole combine (gathers, exchange, per-token sums) runs on a side stream,
-        so only the SMs the caller leaves free (the GEMMs' carveout) serve it; elsewhere the
-        exchange's own asynchronous collectives overlap.
+        With ``combine_on_side_stream`` (CUDA) the whole combine (gathers, exchange,
+        per-token sums) runs on a side stream, so only the SMs the caller leaves free (the
+        GEMMs' carveout) serve it. Otherwise the gathers before the transfer run at once
+        on the caller's stream with the whole GPU, the transfer runs asynchronously
+        (NCCL's own stream) beside what the caller runs next, and the sums after it run
+        in ``wait()``.
         """
-        if not d_rows.is_cuda:
+        if not d_rows.is_cuda or not self.combine_on_side_stream:
             return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
         main = torch.cuda.current_stream(d_rows.device)
         if getattr(self, "_side_stream", None) is None:

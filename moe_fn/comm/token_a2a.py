@@ -10,6 +10,7 @@ the expert side. Transport: ``torch.distributed.all_to_all_single`` (gloo or NCC
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -88,8 +89,11 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch_fwd(self, x, weights, handle: TokenExchangeHandle, *, cached: bool = False):
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
+        # A replayed route's weights have the values the first dispatch delivered (as with
+        # DeepEP's cached dispatch): only the tokens travel again.
+        reuse_w = cached and weights is not None and handle.row_weights is not None
         finish_w = None
-        if weights is not None:
+        if weights is not None and not reuse_w:
             finish_w = self._to_receivers(weights.detach(), handle, async_op=True)
         recv = self._to_receivers(x, handle, async_op=True)()
         if recv.shape[0] != handle.num_recv_tokens:
@@ -97,8 +101,11 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
                                f"{handle.num_recv_tokens}")
         rows = recv.index_select(0, handle.token_of_row)
         row_w = None
-        if finish_w is not None:
+        if reuse_w:
+            row_w = handle.row_weights.clone()  # a new output tensor for this autograd node
+        elif finish_w is not None:
             row_w = finish_w()[handle.token_of_row, handle.slot_of_row]
+            handle = attrs.evolve(handle, row_weights=row_w.detach())
         return rows, row_w, handle
 
     def dispatch_bwd(self, handle: TokenExchangeHandle, d_rows, d_row_weights, *,

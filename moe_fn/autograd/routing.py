@@ -141,8 +141,10 @@ class SkippedCombine(torch.autograd.Function):
             ctx.save_for_backward(rows, row_weights)
         exchange.counters["combine_skipped"] += 1
         t = handle.plan.num_tokens
-        return torch.full((t, rows.shape[-1]), float("nan"), dtype=rows.dtype,
-                          device=rows.device)
+        # One NaN row broadcast to (T, H): nothing the size of the output is written, and
+        # an in-place write into it fails loudly.
+        return torch.full((1, rows.shape[-1]), float("nan"), dtype=rows.dtype,
+                          device=rows.device).expand(t, -1)
 
     @staticmethod
     def backward(ctx, d_out):

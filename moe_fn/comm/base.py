@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pure.row_weight import RowWeightRes, row_weight_bwd
+from ..pure.row_weight import RowWeightRes
 
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
                 "dispatch_backward", "combine_backward")
@@ -116,8 +116,13 @@ class Exchange:
         preceded it (``rows * row_weights`` was combined): ``(d_rows, d_row_weights)``.
         ``fused`` picks the Triton weighting kernel; exchanges may fuse more."""
         d_rows = self.combine_bwd(handle, d_out)
-        bwd = kernels.row_weight_bwd if fused else row_weight_bwd
-        return bwd(RowWeightRes(rows, row_weights), d_rows)
+        if fused:
+            return kernels.row_weight_bwd(RowWeightRes(rows, row_weights), d_rows)
+        # What autograd computes for the eager weighting ``rows * w.to(rows.dtype)[:, None]``
+        # (MoELayer._weight_rows), in the rows' dtype: the same gradients as without the
+        # skip, and no float32 passes over (N, H) tensors.
+        w = row_weights.to(rows.dtype)[:, None]
+        return d_rows * w, (d_rows * rows).sum(-1).to(row_weights.dtype)
 
     def reset_counters(self) -> None:
         for k in COUNTER_KEYS:

@@ -8,7 +8,8 @@
 
 Model (from a config, random weights, no download): 4 layers, hidden 2048, 16 heads of 128
 with 4 KV heads, 128 experts top-8 of moe_intermediate 768, vocab 32000, sequence 4096,
-micro-batch 1 per rank, bf16, AdamW (foreach), HF gradient checkpointing (use_reentrant=True).
+micro-batch 1 per rank, bf16, AdamW (fused; --optimizer foreach), HF gradient checkpointing
+(use_reentrant=True).
 
 EP mode (torchrun, NCCL; every rank holds E/ep experts and the replicated dense weights;
 each rank trains on its own tokens, the dense gradients are not all-reduced, which costs
@@ -142,7 +143,7 @@ class _MoERemoved(torch.nn.Module):
         return torch.zeros_like(hidden_states)
 
 
-def make_arm(ref, options, *, how: str, ep: int, group, foreach: bool):
+def make_arm(ref, options, *, how: str, ep: int, group, optimizer: str):
     """``how``: "hf" (as built), "convert" (moe_fn.hf.convert with ``options``) or
     "remove_moe" (every sparse MoE block replaced by zeros: the rest of the step alone,
     experts neither run nor updated — the floor under any MoE implementation's step)."""
@@ -157,7 +158,12 @@ def make_arm(ref, options, *, how: str, ep: int, group, foreach: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=foreach)
+    # "fused": one kernel pass per parameter group (TorchTitan's default); "foreach": a
+    # pass per arithmetic step, which for the 2.4 B expert parameters on one GPU costs
+    # ~30 ms a step; "loop": one tensor at a time (CPU runs).
+    impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+            "loop": dict(foreach=False)}[optimizer]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **impl)
     return model, opt
 
 
@@ -221,7 +227,8 @@ def run_arms(args, arms: dict, refs: list, device, group, results, out_path):
         err = None
         try:
             live[name] = make_arm(ref, options, how=how, ep=ep, group=group,
-                                  foreach=device.type == "cuda")
+                                  optimizer=args.optimizer if device.type == "cuda"
+                                  else "loop")
         except Exception as e:  # OOM is recorded, anything else raised
             if not is_oom(e):
                 raise
@@ -244,9 +251,26 @@ def run_arms(args, arms: dict, refs: list, device, group, results, out_path):
     gc.disable()  # a collection pause would land on one arm's step at random
     try:
         _run_steps(args, live, res, data, total, device, results, out_path)
+        if args.profile and device.type == "cuda":
+            profile_arms(args, live, data, device, results)
     finally:
         gc.enable()
     return results
+
+
+def profile_arms(args, live, data, device, results):
+    """``--profile N``: N more steps per arm under torch.profiler; prints (rank 0) the
+    ops and kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    for name, (model, opt) in live.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            times = [step(model, opt, data[i % len(data)], device)[0]
+                     for i in range(args.profile)]
+        events = prof.key_averages()
+        results.setdefault("profile", {})[name] = {"step_ms": statistics.median(times)}
+        say(f"profile {name}: step {statistics.median(times):.1f} ms")
+        say(events.table(sort_by="self_device_time_total", row_limit=args.profile_rows,
+                         max_name_column_width=50))
 
 
 def _run_steps(args, live, res, data, total, device, results, out_path):
@@ -393,6 +417,11 @@ def parse_args(argv=None):
     ap.add_argument("--comm-num-sm", type=int, default=20)
     ap.add_argument("--comm", choices=("all_to_all", "all_to_all_dedup", "deepep"),
                     default="all_to_all")
+    ap.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                    help="AdamW implementation on CUDA (every arm alike)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the timed steps, profile this many steps of each arm")
+    ap.add_argument("--profile-rows", type=int, default=25)
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (logic check)")
@@ -450,7 +479,8 @@ def main(argv=None):
         "env": environment(device), "mode": mode, "model": cfg, "seq": args.seq,
         "micro_batch": args.micro_batch, "dtype": str(dtype), "warmup": args.warmup,
         "steps": args.steps, "baseline": baseline, "round_robin": True,
-        "gradient_checkpointing": "HF, use_reentrant=True", "optimizer": "AdamW foreach",
+        "gradient_checkpointing": "HF, use_reentrant=True",
+        "optimizer": f"AdamW {args.optimizer if device.type == 'cuda' else 'loop'}",
         "dense_grad_allreduce": False, "arms": {},
         "title": (f"Qwen3-MoE-like {cfg['num_hidden_layers']}L H{cfg['hidden_size']} "
                   f"E{cfg['num_experts']} top{cfg['num_experts_per_tok']} "

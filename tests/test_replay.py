@@ -192,6 +192,22 @@ def test_skip_with_output_used_beyond_the_residual_add_gives_non_finite_gradient
     assert not torch.isfinite(b.proj.grad).all()
 
 
+def test_skip_with_output_written_in_place_raises():
+    """The sentinel is one NaN row broadcast: an in-place write into it fails at once."""
+    cfg = _cfg(1, skip_recompute_combine=True)
+    b = make_model(cfg)[0]
+
+    def misuse(h):
+        y = b.moe(h @ b.proj)
+        y.mul_(2.0)  # fine in the first forward, impossible on the recompute's sentinel
+        return h + y
+
+    x = torch.randn(6, H, requires_grad=True)
+    out = moe_fn.checkpoint(misuse, x)
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+
+
 def test_replay_entries_are_consumed_once():
     cfg = _cfg(1)
     model = make_model(cfg)

@@ -42,23 +42,25 @@ def say(*a):
         print(*a, flush=True)
 
 
+def time_once(fn):
+    """One ranks-synchronised CUDA-event timing of ``fn()``: the max over ranks, in ms."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([s.elapsed_time(e)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def timed(fn, reps=20, warmup=5):
-    """Median ms over ranks-synchronised CUDA-event timings (max over ranks per rep)."""
+    """Median ms of ``time_once(fn)`` after warm-up."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([s.elapsed_time(e)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append(t.item())
-    return statistics.median(out)
+    return statistics.median(time_once(fn) for _ in range(reps))
 
 
 def backends(have_deepep):
@@ -269,17 +271,9 @@ def interleaved_times(arms, reps, warmup=5):
         for i, (setup, timed_fn) in enumerate(arms):
             if setup is not None:
                 setup()
-            torch.cuda.synchronize()
-            dist.barrier()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            timed_fn()
-            e.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([s.elapsed_time(e)], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = time_once(timed_fn)
             if rep >= warmup:
-                times[i].append(t.item())
+                times[i].append(t)
     return times
 
 

@@ -16,15 +16,18 @@ each rank trains on its own tokens, the dense gradients are not all-reduced, whi
 every arm alike): one model + optimizer per arm, all built from the same initial weights:
 ``off`` (separate gate+up, eager weighting and combine, no overlap, no skip), each option
 alone (``fused_gate_up``, ``overlap`` with comm_num_sm 20, ``skip``, ``fused_weighting`` =
-fused row weighting and combine), and ``all_on``. Arms run round-robin (one step of each
+fused row weighting and combine), ``all_on``, and ``all_on_kept`` (all on, but the MoE
+layers keep their activations instead of being recomputed: ``recompute_in_checkpoint=
+False``, which leaves the skip nothing to skip). Arms run round-robin (one step of each
 arm, then the next step) so clock and thermal drift hit every arm alike; every arm sees the
 same batches. Per arm: the median step time (CUDA events around zero_grad + forward +
 backward + optimizer step, max over ranks), the peak memory of its steps, and every step's
 loss (mean over ranks): step 1 losses agree across arms up to bf16 rounding.
 
 ``--single`` (one GPU, no torchrun): the unconverted model with transformers' grouped_mm
-experts against the converted model on the local backend (every ep-1 option on), same
-harness.
+experts against the converted model on the local backend (every ep-1 option on; and
+``moe_fn_local_kept``, not recomputing the MoE layers), and a bound with the MoE blocks
+removed; same harness.
 
 An arm that runs out of memory is recorded as such and dropped (building it, or during a
 step: the whole round is then checked across ranks). Results are rewritten to the JSON
@@ -79,6 +82,10 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
                        combine_impl=fused_combine, overlap_weight_grad=True,
                        comm_num_sm=comm_num_sm, skip_recompute_combine=True),
     }
+    # Every option on, but the MoE layers keep their activations instead of being
+    # recomputed (memory for speed; the skip has nothing left to skip).
+    arms["all_on_kept"] = arms["all_on"] | dict(skip_recompute_combine=False,
+                                                recompute_in_checkpoint=False)
     if comm == "deepep":
         arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
     if comm == "all_to_all_dedup":
@@ -458,7 +465,9 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="Setting the SM carveout")
 
     if args.single:
+        kept = SINGLE_ON | dict(skip_recompute_combine=False, recompute_in_checkpoint=False)
         arms = {"hf_grouped_mm": ({}, "hf"), "moe_fn_local": (SINGLE_ON, "convert"),
+                "moe_fn_local_kept": (kept, "convert"),
                 "moe_removed_bound": ({}, "remove_moe")}
         baseline = "hf_grouped_mm"
     else:

@@ -48,7 +48,11 @@ class MoEConfig:
     communication kernels use and that overlapped GEMMs leave free),
     ``all_to_all_dedup`` (``all_to_all`` only: send each token once per destination rank
     and sum its rows on the expert side, as DeepEP does, instead of one row per (token,
-    expert); fewer bytes, no longer bit-identical to one rank in bf16).
+    expert); fewer bytes, no longer bit-identical to one rank in bf16). Checkpointing:
+    ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
+    (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
+    activations from the forward and is not recomputed, trading the memory of an unchecked
+    MoE layer for its second forward).
     """
 
     hidden_size: int
@@ -77,6 +81,7 @@ class MoEConfig:
     comm_num_sm: int = 20
     overlap_weight_grad: bool = False
     skip_recompute_combine: bool = False
+    recompute_in_checkpoint: bool = True
     all_to_all_dedup: bool = False
 
     def __attrs_post_init__(self):
@@ -97,7 +102,8 @@ class MoEConfig:
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
         for name in ("norm_topk_prob", "score_correction_bias", "router_bias", "expert_bias",
-                     "overlap_weight_grad", "skip_recompute_combine", "all_to_all_dedup"):
+                     "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",
+                     "all_to_all_dedup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_groups()
@@ -107,6 +113,11 @@ class MoEConfig:
         self._check_exchange()
         self._check_weighting()
         self._check_overlap()
+        if self.skip_recompute_combine and not self.recompute_in_checkpoint:
+            raise ValueError(
+                "skip_recompute_combine skips part of the layer's recompute, and "
+                "recompute_in_checkpoint=False removes that recompute altogether: set "
+                "skip_recompute_combine=False (or recompute_in_checkpoint=True)")
 
     def _check_groups(self):
         e, g = self.num_experts, self.n_group

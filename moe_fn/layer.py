@@ -8,13 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional, kernels
+from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
 from .records import RoutePlan
-from .replay import current_region
+from .replay import KeptActivations, current_region
 
 
 def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
@@ -181,21 +182,10 @@ class MoELayer(nn.Module):
                 "is not supported: routing replay records and consumes entries on the "
                 "host. Capture the layer outside the checkpoint, or run it eagerly.")
 
-    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+    def _forward_routed(self, x2, region):
+        """Route, dispatch, experts, combine: ``(out (T, H), logits (T, E))``. In a
+        checkpoint region the forward records its route and the recompute replays it."""
         c = self.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.shape[-1] != c.hidden_size:
-            raise ValueError(f"x must end in hidden_size={c.hidden_size}, got shape "
-                             f"{tuple(x.shape)}")
-        if x.dtype != self.experts.gate_up_proj.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are "
-                            f"{self.experts.gate_up_proj.dtype}: cast one to the other")
-        shape = x.shape
-        x2 = x.reshape(-1, c.hidden_size)
-        region = current_region()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._check_capturable(region)
         entry = region.consume(self) if region is not None and region.replaying else None
         logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
         overlap = ()
@@ -234,5 +224,60 @@ class MoELayer(nn.Module):
         else:
             out = Combine.apply(y, self.exchange, handle, w if home_w else None,
                                 row_w if fold_w else None)
+        return out, logits
+
+    def _forward_kept(self, x2, region):
+        """``recompute_in_checkpoint=False`` inside a checkpoint region: the forward keeps
+        the layer's activations and the recompute returns its outputs without running it."""
+        if region.replaying:
+            kept = region.consume(self).kept
+            if kept.x_leaf is not None:
+                return ReplayKept.apply(x2, kept)
+            # Non-reentrant: the forward's own graph serves the backward; the recompute
+            # needs only the values (as leaves that require grad where the originals did,
+            # so the ops after the layer save what they saved the first time).
+            return tuple(t.clone().requires_grad_(t.requires_grad) for t in
+                         (kept.out, kept.logits))
+        if region.reentrant:
+            # The forward runs without autograd: build the layer's graph from a leaf copy of
+            # its input, which the recompute's backward runs. The leaf always requires grad:
+            # whether the input will is only known in the recompute.
+            with torch.enable_grad():
+                x_leaf = x2.detach().requires_grad_(x2.is_floating_point())
+                out, logits = self._forward_routed(x_leaf, None)
+            region.record(self, kept=KeptActivations(x_leaf=x_leaf, out=out, logits=logits))
+            return out.detach(), logits.detach()
+        # Non-reentrant: the checkpoint's hooks would discard what autograd saves inside
+        # the layer; identity hooks keep it.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            out, logits = self._forward_routed(x2, None)
+        kept = KeptActivations(x_leaf=None, out=out.detach().requires_grad_(out.requires_grad),
+                               logits=logits.detach().requires_grad_(logits.requires_grad))
+        region.record(self, kept=kept)
+        return out, logits
+
+    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+        c = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must end in hidden_size={c.hidden_size}, got shape "
+                             f"{tuple(x.shape)}")
+        if x.dtype != self.experts.gate_up_proj.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are "
+                            f"{self.experts.gate_up_proj.dtype}: cast one to the other")
+        shape = x.shape
+        x2 = x.reshape(-1, c.hidden_size)
+        region = current_region()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capturable(region)
+        if region is not None and not c.recompute_in_checkpoint:
+            out, logits = self._forward_kept(x2, region)
+        else:
+            out, logits = self._forward_routed(x2, region)
         out = out.reshape(shape)
         return (out, logits) if return_router_logits else out
+
+
+def _keep(t):
+    return t

@@ -35,13 +35,29 @@ class ReplayEntry:
     ``region``: serial of the region (checkpoint call) that recorded it.
     ``position``: index among the region's entries (forward order).
     ``plan``: the RoutePlan. ``handle``: the exchange handle the dispatch returned.
+    ``kept``: instead of those, a layer with ``recompute_in_checkpoint=False`` records its
+    ``KeptActivations``, which the recompute returns instead of running the layer.
     """
 
     layer_id: int
     region: int
     position: int
-    plan: object
-    handle: object
+    plan: object = None
+    handle: object = None
+    kept: object = None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class KeptActivations:
+    """The forward of a layer that is not recomputed. ``out`` / ``logits``: its outputs.
+    Reentrant regions (whose forward runs without autograd) build the layer's graph from a
+    leaf copy ``x_leaf`` of its input; the recompute's backward runs that graph. Elsewhere
+    the forward's own graph serves, ``x_leaf`` is None and the outputs are detached values.
+    """
+
+    x_leaf: object
+    out: object
+    logits: object
 
 
 class ReplayRegion:
@@ -62,9 +78,10 @@ class ReplayRegion:
     def replaying(self) -> bool:
         return self.runs > 1
 
-    def record(self, layer, plan, handle) -> None:
+    def record(self, layer, plan=None, handle=None, *, kept=None) -> None:
         self.entries.append(ReplayEntry(layer_id=id(layer), region=self.serial,
-                                        position=len(self.entries), plan=plan, handle=handle))
+                                        position=len(self.entries), plan=plan, handle=handle,
+                                        kept=kept))
 
     def consume(self, layer) -> ReplayEntry:
         if self.cursor >= len(self.entries):

@@ -42,6 +42,9 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(overlap_weight_grad=True), "ep_size=1"),
     (dict(expert_bias=True, score_apply="pre"), "expert_bias"),
     (dict(norm_topk_prob=1), "norm_topk_prob"),
+    (dict(skip_recompute_combine=True, recompute_in_checkpoint=False),
+     "set skip_recompute_combine=False"),
+    (dict(recompute_in_checkpoint=0), "recompute_in_checkpoint must be a bool"),
 ])
 def test_invalid_options_name_the_option(kw, match):
     with pytest.raises(ValueError, match=match):

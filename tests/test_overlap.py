@@ -76,6 +76,14 @@ def _check_gradients(rank, world):
         assert len(serial) == 2 + 6
         for a, b in zip(serial, overlapped):
             assert b is not None and torch.equal(a, b), (impl, mode, skip)
+    # Not recomputed under either checkpoint: the kept graph's backward runs the overlap.
+    for mode in ("reentrant", "non_reentrant"):
+        kw = dict(recompute_in_checkpoint=False)
+        want = _grads(world, rank, "none")
+        for got in (_grads(world, rank, mode, **kw),
+                    _grads(world, rank, mode, overlap_weight_grad=True, **kw)):
+            for a, b in zip(want, got):
+                assert torch.equal(a, b), mode
     # The steered expert really received no rows anywhere.
     layer = _layer(world, rank, 5, overlap_weight_grad=True)
     layer(torch.randn(9, H)).sum().backward()

@@ -122,6 +122,16 @@ def _check_cases(world, rank=0, **exchange_kw):
                     # the skip is not applied there (outside the supported contract).
                     assert c["combine_skipped"] == 0 and c["combine"] >= 3
                 assert c["combine_backward"] == 3 and c["dispatch_backward"] == 3
+        for mode in ("reentrant", "non_reentrant"):
+            # Not recomputed: the forward's activations serve the backward.
+            got, model = run_steps(_cfg(world, recompute_in_checkpoint=False, **kw), mode,
+                                   rank=rank)
+            assert_same(got, ref)
+            for b in model:
+                c = b.moe.exchange.counters
+                assert (c["layout"], c["dispatch"], c["cached_dispatch"], c["combine"],
+                        c["combine_backward"], c["dispatch_backward"]) == (3, 3, 0, 3, 3, 3), \
+                    (mode, dict(c))
         routes_changed = True
     assert routes_changed
 

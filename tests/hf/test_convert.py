@@ -56,6 +56,22 @@ def test_checkpointed_skip_recompute_combine(name):
     assert all(b.moe_layer.exchange.counters["combine_skipped"] == 1 for _, b in blocks)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_checkpointed_without_recomputing_the_moe(name):
+    """recompute_in_checkpoint=False under HF's reentrant checkpointing: HF's outputs and
+    gradients (router logits and the auxiliary loss included), with the MoE layer run once."""
+    ref, conv = _pair(name, True, recompute_in_checkpoint=False)
+    ids, labels = batch()
+    want = run(ref, ids, labels)
+    got = run(conv, ids, labels)
+    assert_outputs_close(got, want, name)
+    _assert_grads_equal(conv, ref, name)
+    for _, b in converted_blocks(conv):
+        c = b.moe_layer.exchange.counters
+        assert (c["layout"], c["dispatch"], c["cached_dispatch"], c["combine"]) == (1, 1, 0, 1)
+        assert c["dispatch_backward"] == 1
+
+
 def _check_matches_hf(name, ckpt, **options):
     ref, conv = _pair(name, ckpt, **options)
     blocks = converted_blocks(conv)

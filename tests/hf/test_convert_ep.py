@@ -38,7 +38,8 @@ def _check_preset(rank, world, name, ckpt, **options):
     assert_outputs_close(got, want, tag)
     for _, b in blocks:  # the recompute replayed the route: no second layout exchange
         counters = b.moe_layer.exchange.counters
-        assert (counters["layout"], counters["cached_dispatch"]) == (1, int(ckpt)), tag
+        recomputed = ckpt and options.get("recompute_in_checkpoint", True)
+        assert (counters["layout"], counters["cached_dispatch"]) == (1, int(recomputed)), tag
 
     # A rank's experts serve every rank's tokens: their gradient is the sum over ranks of
     # the reference's, sliced; every other parameter is replicated and sees local tokens.
@@ -79,6 +80,9 @@ def _all_presets(rank, world):
             # Routing weights applied inside the fused combine at home (biases included).
             _check_preset(rank, world, name, ckpt, combine_impl="fused",
                           row_weighting_impl="fused", skip_recompute_combine=ckpt)
+            # Not recomputed: the forward's activations serve the checkpoint's backward.
+            _check_preset(rank, world, name, ckpt, recompute_in_checkpoint=False,
+                          all_to_all_dedup=name == "gpt_oss")
 
 
 def test_expert_parallel_presets_match_hf():

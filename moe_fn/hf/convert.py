@@ -19,8 +19,9 @@ How a block is converted (no copies, nothing re-registered):
   ``router_logits`` (and the aux loss sees them), gradients included.
 - The HF decoder layer around a block gets ``moe_fn.replay`` around the checkpoint function
   HF's ``gradient_checkpointing_enable`` gives it (before or after ``convert``): the
-  recompute replays the forward's routes and dispatch layouts, and honours
-  ``skip_recompute_combine`` under a reentrant checkpoint.
+  recompute replays the forward's routes and dispatch layouts, honours
+  ``skip_recompute_combine`` under a reentrant checkpoint, and with
+  ``recompute_in_checkpoint=False`` does not recompute the MoE layers at all.
 - With ``ep_size > 1`` rank r keeps experts ``r*E/ep ... (r+1)*E/ep - 1``: the experts'
   parameters are replaced by that slice (shape ``(E/ep, ...)`` in ``state_dict``);
   :func:`gather_expert_state_dict` reassembles full HF-shaped tensors. Build optimizers after

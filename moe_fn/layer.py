@@ -243,7 +243,7 @@ class MoELayer(nn.Module):
             # its input, which the recompute's backward runs. The leaf always requires grad:
             # whether the input will is only known in the recompute.
             with torch.enable_grad():
-                x_leaf = x2.detach().requires_grad_(x2.is_floating_point())
+                x_leaf = x2.detach().requires_grad_()
                 out, logits = self._forward_routed(x_leaf, None)
             region.record(self, kept=KeptActivations(x_leaf=x_leaf, out=out, logits=logits))
             return out.detach(), logits.detach()

@@ -6,18 +6,14 @@ twice the error of the pure same-precision computation plus one step of the dtyp
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from moe_fn.kernels import activation as K  # noqa: E402
-from moe_fn.pure import activations as P  # noqa: E402
-from tests.kernels.tolerance import assert_close_to_ref  # noqa: E402
+from moe_fn.kernels import activation as K
+from moe_fn.pure import activations as P
+from tests.kernels.tolerance import assert_close_to_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -29,7 +25,6 @@ LIMIT = 2.0  # small, so both sides of the clamps are hit often
 def _interp_required():
     if not K.interpreting():
         pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 before triton is imported")
-
 
 
 def _consts(act):

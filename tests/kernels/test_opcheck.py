@@ -3,18 +3,14 @@ wrappers' pure-compatible signatures, including the Triton branch run under the 
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from torch.library import opcheck
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.library import opcheck  # noqa: E402
-
-import moe_fn.kernels as ops  # noqa: E402
-from moe_fn.kernels import _registry  # noqa: E402
-from moe_fn.pure import activations as pa  # noqa: E402
-from moe_fn.pure import row_weight as pr  # noqa: E402
+import moe_fn.kernels as ops
+from moe_fn.kernels import _registry
+from moe_fn.pure import activations as pa
+from moe_fn.pure import row_weight as pr
 
 OPS = torch.ops.moe_fn
 OAI = pa.resolve_activation("swiglu_oai")

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from moe_fn.kernels import row_weight as K  # noqa: E402
-from moe_fn.kernels.activation import interpreting  # noqa: E402
-from moe_fn.pure import row_weight as P  # noqa: E402
-from tests.kernels.tolerance import assert_close_to_ref  # noqa: E402
+from moe_fn.kernels import row_weight as K
+from moe_fn.kernels.activation import interpreting
+from moe_fn.pure import row_weight as P
+from tests.kernels.tolerance import assert_close_to_ref
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 
 @pytest.fixture(autouse=True)

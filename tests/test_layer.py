@@ -254,3 +254,64 @@ def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
     layer.exchange.backend = "all_to_all"
     with pytest.raises(RuntimeError, match="needs comm_backend='local'"):
         layer._check_capturable(None)
+
+
+def _count_collectives_body(rank, world):
+    cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                    comm_backend="all_to_all", ep_size=world)  # weights sent with the rows
+    layer = MoELayer(cfg, dist.group.WORLD)
+    calls = []
+    real = dist.all_to_all_single
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+    dist.all_to_all_single = counting
+    try:
+        x = torch.randn(6, 8, requires_grad=True)
+        out = layer(x)
+        forward = len(calls)
+        out.sum().backward()
+        backward = len(calls) - forward
+    finally:
+        dist.all_to_all_single = real
+    # Forward: the layout's counts, the rows with their routing weights packed in, the
+    # combine; backward: the output gradient out, the row gradients with the weight
+    # gradients packed in back (sent apart, the weights would add one each way).
+    assert (forward, backward) == (3, 2), calls
+    assert calls[1][1] > 8 and calls[-1][1] > 8  # the packed collectives are wider rows
+    assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.multiproc
+def test_routing_weights_ride_in_the_rows_collective():
+    run_distributed(_count_collectives_body, 2)
+
+
+def _packed_equals_apart_body(rank, world):
+    import moe_fn.comm.sorted_rows as sorted_rows
+
+    results = []
+    original = sorted_rows._packs
+    for packs in (original, lambda rows: False):
+        sorted_rows._packs = packs
+        try:
+            torch.manual_seed(0)
+            cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                            comm_backend="all_to_all", ep_size=world)
+            layer = MoELayer(cfg, dist.group.WORLD, dtype=torch.bfloat16)
+            x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank),
+                            dtype=torch.bfloat16).requires_grad_()
+            out = layer(x)
+            out.float().square().sum().backward()
+            results.append([out, x.grad] + [p.grad for p in layer.parameters()])
+        finally:
+            sorted_rows._packs = original
+    # The packing carries the float32 weights' bytes in bf16 slots: nothing is rounded.
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiproc
+def test_packed_weights_equal_weights_sent_apart_in_bfloat16():
+    run_distributed(_packed_equals_apart_body, 2)

@@ -117,6 +117,35 @@ class SortedRowsExchange(Exchange):
             return buf, order
         return finish
 
+    def _move_packed(self, rows, weights, index, w_index, send_splits, recv_splits, num_rows,
+                     order, async_op):
+        """``_move`` of rows together with one weight per row, in one collective instead of
+        two: each packed row is ``[row | the weight's float32 bytes | padding]``, 16-byte
+        aligned. ``index`` / ``w_index``: ``(send, own)`` row / weight positions.
+        ``finish() -> (row part, a row-strided view; weights (num_rows,); order)``."""
+        h, dtype = rows.shape[1], weights.dtype
+        s = 4 // rows.element_size()  # slots of the rows' dtype per float32 weight
+        bits = weights.to(torch.float32).contiguous().view(rows.dtype).reshape(-1, s)
+        width = h + 16 // rows.element_size()
+        n_in = sum(recv_splits)
+        buf = rows.new_empty((num_rows, width))
+
+        def pack(i, into):
+            kernels.gather_rows(rows, index[i], out=into[:, :h])
+            into[:, h:h + s] = bits.index_select(0, w_index[i])
+        send = rows.new_empty((index[0].numel(), width))
+        pack(0, send)
+        _, work = self._exchange(send, send_splits, recv_splits, async_op=async_op,
+                                 out=buf[:n_in])
+        pack(1, buf[n_in:])  # the own rows, while the others are in flight
+
+        def finish():
+            if work is not None:
+                work.wait()
+            w = buf[:, h:h + s].contiguous().view(torch.float32).reshape(-1).to(dtype)
+            return buf[:, :h], w, order
+        return finish
+
     def _sum_home(self, src, order, plan) -> torch.Tensor:
         """Each token's k rows ``src[order]`` summed (float32 accumulation), with no atomics:
         the fused gather-sum kernel, or its pure twin (a gather and a reduction)."""
@@ -127,6 +156,14 @@ class SortedRowsExchange(Exchange):
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
+        if weights is not None and handle.self_dst is not None and _packs(x):
+            # The routing weights ride in the rows' collective.
+            flat = handle.flat
+            src, w, order = self._move_packed(
+                x, weights.reshape(-1), (handle.remote_tokens, handle.self_tokens),
+                (flat.remote_tokens, flat.self_tokens), handle.send_splits,
+                handle.recv_splits, handle.num_rows, handle.expert_src, True)()
+            return kernels.gather_rows(src, order), w.index_select(0, order), handle
         finish_w = None
         if weights is not None:
             # (T, k) weights ride as (T*k, 1) "rows" indexed by flattened (token, k) row.
@@ -141,6 +178,19 @@ class SortedRowsExchange(Exchange):
         """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
+        if d_row_weights is not None and handle.self_dst is not None and _packs(d_rows):
+            # The weight gradients ride in the row gradients' collective.
+            idx = (handle.recv_dst, handle.self_dst)
+            finish_packed = self._move_packed(
+                d_rows, d_row_weights.reshape(-1), idx, idx, handle.recv_splits,
+                handle.send_splits, handle.home_order.numel(), handle.home_order, async_op)
+
+            def finish_together():
+                src, w, order = finish_packed()
+                d_w = w.index_select(0, order).reshape(plan.num_tokens, plan.top_k)
+                return self._sum_home(src, order, plan), d_w
+            pending = Pending(finish_together)
+            return pending if async_op else pending.wait()
         finish_rows = self._to_home(d_rows, handle, async_op=async_op)
         finish_w = None
         if d_row_weights is not None:
@@ -219,6 +269,11 @@ class SortedRowsExchange(Exchange):
                                                    hi_out=hi_out)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
         return (*split_rows(d_rows, split, hi_out), d_w)
+
+
+def _packs(rows: torch.Tensor) -> bool:
+    """Whether a float32 weight fits whole slots of the rows' dtype (2- and 4-byte types)."""
+    return rows.element_size() in (2, 4)
 
 
 def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:

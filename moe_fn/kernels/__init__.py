@@ -204,6 +204,18 @@ def gather_row_weight_bwd(src, index, rows, weights):
                                            src.index_select(0, index))
 
 
+def gather_rows(src, index, *, out=None):
+    """``out[i] = src[index[i]]``: one pass that reads and writes row-strided views (the
+    row part of packed rows) as they are, Triton on CUDA in eager mode; ``index_select``
+    elsewhere. Not an op: the exchanges that call it run eagerly."""
+    if use_triton(src) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_gather_sum
+
+        return launch_gather_sum(src, index, 1, out=out)
+    rows = src.index_select(0, index)
+    return rows if out is None else out.copy_(rows)
+
+
 def masked_gather_sum(rows, table, weights=None):
     """``moe_fn.pure.dispatch.masked_gather_sum`` in one Triton pass on CUDA (eager);
     the pure function elsewhere. Not an op: the exchanges that call it run eagerly."""

@@ -40,12 +40,18 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
 
 
 def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
-                      weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``)."""
+                      weights: torch.Tensor | None = None, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``). ``rows``
+    and ``out`` may be row-strided views (columns contiguous), e.g. slices of wider rows."""
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     t = index.numel() // top_k
     h = rows.shape[1]
-    out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    if out is None:
+        out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    elif out.shape != (t, h) or out.stride(-1) != 1 or out.dtype != rows.dtype:
+        raise ValueError(f"out must be ({t}, {h}) {rows.dtype} with contiguous columns, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if t == 0 or h == 0:
         return out.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))

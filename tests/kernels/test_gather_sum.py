@@ -219,3 +219,24 @@ def test_masked_gather_sum_kernel_matches_pure_and_naive(dtype, weighted, n, r, 
     assert got.shape == (r, h) and pure.shape == (r, h)
     assert_close_to_ref(got, pure, naive_masked(rows, table, w))
     torch.testing.assert_close(kernel_masked_gather_sum(rows, table, w), pure)  # CPU: pure
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_reads_and_writes_row_strided_views(dtype):
+    """gather_rows between the row parts of wider (packed) rows, as the exchanges use it."""
+    from moe_fn.kernels import gather_rows
+    from moe_fn.kernels.gather_sum import launch_gather_sum
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(9, 45, generator=g).to(dtype).to(DEV)
+    src = wide[:, :37]  # row stride 45, columns contiguous
+    index = torch.tensor([8, 0, 3, 3, 5, 1, 7], device=DEV)
+    want = src.cpu().index_select(0, index.cpu())
+    dst_wide = torch.full((7, 50), 7.0, dtype=dtype, device=DEV)
+    got = launch_gather_sum(src, index, 1, out=dst_wide[:, 2:39])
+    assert got.data_ptr() == dst_wide[:, 2:39].data_ptr()
+    assert torch.equal(dst_wide[:, 2:39].cpu(), want)
+    assert (dst_wide[:, :2] == 7).all() and (dst_wide[:, 39:] == 7).all()  # untouched
+    assert torch.equal(gather_rows(src, index).cpu(), want)
+    with pytest.raises(ValueError, match="out must be"):
+        launch_gather_sum(src, index, 1, out=dst_wide[:, :36])

@@ -257,8 +257,14 @@ def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
 
 
 def _count_collectives_body(rank, world):
+    for dedup in (False, True):
+        _count_collectives(world, dedup)
+
+
+def _count_collectives(world, dedup):
     cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                    comm_backend="all_to_all", ep_size=world)  # weights sent with the rows
+                    comm_backend="all_to_all", ep_size=world,  # weights sent with the rows
+                    all_to_all_dedup=dedup)
     layer = MoELayer(cfg, dist.group.WORLD)
     calls = []
     real = dist.all_to_all_single
@@ -275,11 +281,12 @@ def _count_collectives_body(rank, world):
         backward = len(calls) - forward
     finally:
         dist.all_to_all_single = real
-    # Forward: the layout's counts, the rows with their routing weights packed in, the
-    # combine; backward: the output gradient out, the row gradients with the weight
-    # gradients packed in back (sent apart, the weights would add one each way).
-    assert (forward, backward) == (3, 2), calls
-    assert calls[1][1] > 8 and calls[-1][1] > 8  # the packed collectives are wider rows
+    # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
+    # rows with their routing weights packed in, the combine; backward: the output gradient
+    # out, the row gradients with the weight gradients packed in back (sent apart, the
+    # weights would add one collective each way).
+    assert (forward, backward) == (4 if dedup else 3, 2), calls
+    assert calls[forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
     assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
 
 
@@ -290,26 +297,29 @@ def test_routing_weights_ride_in_the_rows_collective():
 
 def _packed_equals_apart_body(rank, world):
     import moe_fn.comm.sorted_rows as sorted_rows
+    import moe_fn.comm.token_a2a as token_a2a
 
-    results = []
-    original = sorted_rows._packs
-    for packs in (original, lambda rows: False):
-        sorted_rows._packs = packs
-        try:
-            torch.manual_seed(0)
-            cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                            comm_backend="all_to_all", ep_size=world)
-            layer = MoELayer(cfg, dist.group.WORLD, dtype=torch.bfloat16)
-            x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank),
-                            dtype=torch.bfloat16).requires_grad_()
-            out = layer(x)
-            out.float().square().sum().backward()
-            results.append([out, x.grad] + [p.grad for p in layer.parameters()])
-        finally:
-            sorted_rows._packs = original
-    # The packing carries the float32 weights' bytes in bf16 slots: nothing is rounded.
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    original = sorted_rows.packs_float32
+    for dedup in (False, True):
+        results = []
+        for packs in (original, lambda rows: False):
+            sorted_rows.packs_float32 = token_a2a.packs_float32 = packs
+            try:
+                torch.manual_seed(0)
+                cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                                comm_backend="all_to_all", ep_size=world,
+                                all_to_all_dedup=dedup)
+                layer = MoELayer(cfg, dist.group.WORLD, dtype=torch.bfloat16)
+                x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank),
+                                dtype=torch.bfloat16).requires_grad_()
+                out = layer(x)
+                out.float().square().sum().backward()
+                results.append([out, x.grad] + [p.grad for p in layer.parameters()])
+            finally:
+                sorted_rows.packs_float32 = token_a2a.packs_float32 = original
+        # The packing carries the float32 weights' bytes in bf16 slots: nothing is rounded.
+        for a, b in zip(*results):
+            assert torch.equal(a, b), dedup
 
 
 @pytest.mark.multiproc

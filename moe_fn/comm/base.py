@@ -155,6 +155,43 @@ class AllToAllTransport:
         return out, work
 
 
+def packs_float32(rows: torch.Tensor) -> bool:
+    """Whether float32 values fit whole slots of the rows' dtype (2- and 4-byte types), so
+    that ``pack_rows`` can carry them in the rows' collective."""
+    return rows.element_size() in (2, 4)
+
+
+def _slots(t: torch.Tensor, cols: int) -> int:
+    # cols float32 values, padded to 16 bytes so that every packed row stays aligned.
+    return -(-cols * 4 // 16) * 16 // t.element_size()
+
+
+def new_packed(rows: torch.Tensor, n: int, cols: int) -> torch.Tensor:
+    """An ``(n, H + slots)`` buffer of the rows' dtype for ``pack_rows``."""
+    return rows.new_empty((n, rows.shape[1] + _slots(rows, cols)))
+
+
+def pack_rows(rows, index, extra, extra_index, out):
+    """``out[i] = [rows[index[i]] | extra[extra_index[i]] (float32 bytes) | padding]``, so
+    that rows and their per-row float32 values (routing weights, their gradients) travel in
+    one collective. With ``rows`` None only the values are written (the caller wrote the
+    row part); with ``extra_index`` None they are taken in order."""
+    h = out.shape[1] - _slots(out, extra.shape[1])
+    if rows is not None:
+        kernels.gather_rows(rows, index, out=out[:, :h])
+    bits = extra.to(torch.float32).contiguous().view(out.dtype)
+    out[:, h:h + bits.shape[1]] = bits if extra_index is None else bits.index_select(
+        0, extra_index)
+    return out
+
+
+def unpack_rows(packed, cols: int, dtype):
+    """``pack_rows`` undone: ``(row part, a row-strided view; values (n, cols) in dtype)``."""
+    h = packed.shape[1] - _slots(packed, cols)
+    values = packed[:, h:h + cols * 4 // packed.element_size()]
+    return packed[:, :h], values.contiguous().view(torch.float32).to(dtype)
+
+
 def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):
     """Received tokens' (T_recv, k) local expert ids (-1 where an expert lives elsewhere)
     to expert rows: ``(token_of_row, slot_of_row, row_of_slot)``, rows grouped by local

@@ -20,7 +20,15 @@ from ..pure.dispatch import (
     weighted_gather_sum_fwd,
 )
 from ..records import RoutePlan, SortedRowsHandle
-from .base import AllToAllTransport, Exchange, Pending
+from .base import (
+    AllToAllTransport,
+    Exchange,
+    Pending,
+    new_packed,
+    pack_rows,
+    packs_float32,
+    unpack_rows,
+)
 
 
 def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -120,30 +128,22 @@ class SortedRowsExchange(Exchange):
     def _move_packed(self, rows, weights, index, w_index, send_splits, recv_splits, num_rows,
                      order, async_op):
         """``_move`` of rows together with one weight per row, in one collective instead of
-        two: each packed row is ``[row | the weight's float32 bytes | padding]``, 16-byte
-        aligned. ``index`` / ``w_index``: ``(send, own)`` row / weight positions.
-        ``finish() -> (row part, a row-strided view; weights (num_rows,); order)``."""
-        h, dtype = rows.shape[1], weights.dtype
-        s = 4 // rows.element_size()  # slots of the rows' dtype per float32 weight
-        bits = weights.to(torch.float32).contiguous().view(rows.dtype).reshape(-1, s)
-        width = h + 16 // rows.element_size()
+        two (``pack_rows``). ``index`` / ``w_index``: ``(send, own)`` row / weight
+        positions. ``finish() -> (row part, a row-strided view; weights (num_rows,);
+        order)``."""
+        w = weights.reshape(-1, 1)
         n_in = sum(recv_splits)
-        buf = rows.new_empty((num_rows, width))
-
-        def pack(i, into):
-            kernels.gather_rows(rows, index[i], out=into[:, :h])
-            into[:, h:h + s] = bits.index_select(0, w_index[i])
-        send = rows.new_empty((index[0].numel(), width))
-        pack(0, send)
+        buf = new_packed(rows, num_rows, 1)
+        send = pack_rows(rows, index[0], w, w_index[0], new_packed(rows, index[0].numel(), 1))
         _, work = self._exchange(send, send_splits, recv_splits, async_op=async_op,
                                  out=buf[:n_in])
-        pack(1, buf[n_in:])  # the own rows, while the others are in flight
+        pack_rows(rows, index[1], w, w_index[1], buf[n_in:])  # own rows, meanwhile
 
         def finish():
             if work is not None:
                 work.wait()
-            w = buf[:, h:h + s].contiguous().view(torch.float32).reshape(-1).to(dtype)
-            return buf[:, :h], w, order
+            src, w_src = unpack_rows(buf, 1, weights.dtype)
+            return src, w_src.reshape(-1), order
         return finish
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:
@@ -156,7 +156,7 @@ class SortedRowsExchange(Exchange):
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
-        if weights is not None and handle.self_dst is not None and _packs(x):
+        if weights is not None and handle.self_dst is not None and packs_float32(x):
             # The routing weights ride in the rows' collective.
             flat = handle.flat
             src, w, order = self._move_packed(
@@ -178,7 +178,7 @@ class SortedRowsExchange(Exchange):
         """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
-        if d_row_weights is not None and handle.self_dst is not None and _packs(d_rows):
+        if d_row_weights is not None and handle.self_dst is not None and packs_float32(d_rows):
             # The weight gradients ride in the row gradients' collective.
             idx = (handle.recv_dst, handle.self_dst)
             finish_packed = self._move_packed(
@@ -269,11 +269,6 @@ class SortedRowsExchange(Exchange):
                                                    hi_out=hi_out)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
         return (*split_rows(d_rows, split, hi_out), d_w)
-
-
-def _packs(rows: torch.Tensor) -> bool:
-    """Whether a float32 weight fits whole slots of the rows' dtype (2- and 4-byte types)."""
-    return rows.element_size() in (2, 4)
 
 
 def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:

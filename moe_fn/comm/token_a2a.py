@@ -16,7 +16,15 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import RoutePlan, TokenExchangeHandle
-from .base import AllToAllTransport, Pending, expand_received
+from .base import (
+    AllToAllTransport,
+    Pending,
+    expand_received,
+    new_packed,
+    pack_rows,
+    packs_float32,
+    unpack_rows,
+)
 from .tokens import TokenRowsExchange
 
 
@@ -92,51 +100,87 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
         # A replayed route's weights have the values the first dispatch delivered (as with
         # DeepEP's cached dispatch): only the tokens travel again.
         reuse_w = cached and weights is not None and handle.row_weights is not None
-        finish_w = None
-        if weights is not None and not reuse_w:
-            finish_w = self._to_receivers(weights.detach(), handle, async_op=True)
-        recv = self._to_receivers(x, handle, async_op=True)()
+        send_w = weights is not None and not reuse_w
+        recv_w = None
+        if send_w and packs_float32(x):  # the weights ride in the tokens' collective
+            k, st = weights.shape[1], handle.send_tokens
+            packed = pack_rows(x, st, weights.detach(), st, new_packed(x, st.numel(), k))
+            recv, _ = self._exchange(packed, handle.send_splits, handle.recv_splits)
+            recv, recv_w = unpack_rows(recv, k, weights.dtype)
+        else:
+            finish_w = (self._to_receivers(weights.detach(), handle, async_op=True)
+                        if send_w else None)
+            recv = self._to_receivers(x, handle, async_op=True)()
+            recv_w = finish_w() if finish_w is not None else None
         if recv.shape[0] != handle.num_recv_tokens:
             raise RuntimeError(f"received {recv.shape[0]} tokens but the handle expects "
                                f"{handle.num_recv_tokens}")
-        rows = recv.index_select(0, handle.token_of_row)
+        rows = (recv.index_select(0, handle.token_of_row) if recv.is_contiguous()
+                else kernels.gather_rows(recv, handle.token_of_row))
         row_w = None
         if reuse_w:
             row_w = handle.row_weights.clone()  # a new output tensor for this autograd node
-        elif finish_w is not None:
-            row_w = finish_w()[handle.token_of_row, handle.slot_of_row]
+        elif recv_w is not None:
+            row_w = recv_w[handle.token_of_row, handle.slot_of_row]
             handle = attrs.evolve(handle, row_weights=row_w.detach())
         return rows, row_w, handle
 
     def dispatch_bwd(self, handle: TokenExchangeHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
         """Row gradients summed per received token, sent home, summed over ranks; the
-        routing-weight gradients ride back in a (received token, k) table."""
+        routing-weight gradients ride back in a (received token, k) table, packed into the
+        same collective where the dtype allows."""
         self.counters["dispatch_backward"] += 1
-        plan = handle.plan
+        if d_row_weights is not None and packs_float32(d_rows):
+            k = handle.plan.top_k
+            buf = new_packed(d_rows, handle.row_of_slot.shape[0], k)
+            kernels.masked_gather_sum(d_rows, handle.row_of_slot,
+                                      out=buf[:, :d_rows.shape[1]])
+            pack_rows(None, None, self._recv_weight_grads(handle, d_row_weights), None, buf)
+            back, work = self._exchange(buf, handle.recv_splits, handle.send_splits,
+                                        async_op=async_op)
+
+            def finish_packed():
+                if work is not None:
+                    work.wait()
+                back_rows, back_w = unpack_rows(back, k, d_row_weights.dtype)
+                return (kernels.masked_gather_sum(back_rows, handle.home_table),
+                        self._home_weight_grads(handle, back_w))
+            pending = Pending(finish_packed)
+            return pending if async_op else pending.wait()
         finish_x = self._to_home(kernels.masked_gather_sum(d_rows, handle.row_of_slot), handle,
                                  async_op=async_op)
         finish_w = None
         if d_row_weights is not None:
-            table = handle.row_of_slot
-            flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
-            d_recv_w = flat[torch.where(table >= 0, table, flat.numel() - 1)]
-            back_w, work_w = self._exchange(d_recv_w, handle.recv_splits, handle.send_splits,
+            back_w, work_w = self._exchange(self._recv_weight_grads(handle, d_row_weights),
+                                            handle.recv_splits, handle.send_splits,
                                             async_op=async_op)
 
             def finish_w():
                 if work_w is not None:
                     work_w.wait()
-                if plan.num_tokens == 0:
-                    return back_w.new_zeros((0, plan.top_k))
-                # Each (token, j) comes back from the rank owning expert j.
-                return back_w[handle.owner_pos, torch.arange(plan.top_k, device=back_w.device)]
+                return self._home_weight_grads(handle, back_w)
 
         def finish():
             return finish_x(), (finish_w() if finish_w is not None else None)
 
         pending = Pending(finish)
         return pending if async_op else pending.wait()
+
+    @staticmethod
+    def _recv_weight_grads(handle: TokenExchangeHandle, d_row_weights):
+        """The rows' weight gradients as a (received token, k) table, 0 where absent."""
+        table = handle.row_of_slot
+        flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
+        return flat[torch.where(table >= 0, table, flat.numel() - 1)]
+
+    @staticmethod
+    def _home_weight_grads(handle: TokenExchangeHandle, back_w):
+        """(T, k) weight gradients: each (token, j) comes back from the rank owning expert j."""
+        plan = handle.plan
+        if plan.num_tokens == 0:
+            return back_w.new_zeros((0, plan.top_k))
+        return back_w[handle.owner_pos, torch.arange(plan.top_k, device=back_w.device)]
 
     # ---- the combine's transports (the combine itself: TokenRowsExchange) ----------------
     def _partials_home(self, partials, handle: TokenExchangeHandle):

@@ -216,11 +216,13 @@ def gather_rows(src, index, *, out=None):
     return rows if out is None else out.copy_(rows)
 
 
-def masked_gather_sum(rows, table, weights=None):
-    """``moe_fn.pure.dispatch.masked_gather_sum`` in one Triton pass on CUDA (eager);
-    the pure function elsewhere. Not an op: the exchanges that call it run eagerly."""
+def masked_gather_sum(rows, table, weights=None, *, out=None):
+    """``moe_fn.pure.dispatch.masked_gather_sum`` in one Triton pass on CUDA (eager), into
+    ``out`` (which may be a row-strided view) when given; the pure function elsewhere. Not
+    an op: the exchanges that call it run eagerly."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_masked_gather_sum
 
-        return launch_masked_gather_sum(rows, table, weights)
-    return _pure_dispatch.masked_gather_sum(rows, table, weights)
+        return launch_masked_gather_sum(rows, table, weights, out=out)
+    result = _pure_dispatch.masked_gather_sum(rows, table, weights)
+    return result if out is None else out.copy_(result)

@@ -39,6 +39,16 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
     tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+def _output(out, t: int, h: int, rows: torch.Tensor) -> torch.Tensor:
+    """A new ``(t, h)`` output, or ``out`` checked: it may be a row-strided view."""
+    if out is None:
+        return torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    if out.shape != (t, h) or out.stride(-1) != 1 or out.dtype != rows.dtype:
+        raise ValueError(f"out must be ({t}, {h}) {rows.dtype} with contiguous columns, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
 def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
                       weights: torch.Tensor | None = None, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,11 +57,7 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     t = index.numel() // top_k
     h = rows.shape[1]
-    if out is None:
-        out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
-    elif out.shape != (t, h) or out.stride(-1) != 1 or out.dtype != rows.dtype:
-        raise ValueError(f"out must be ({t}, {h}) {rows.dtype} with contiguous columns, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = _output(out, t, h, rows)
     if t == 0 or h == 0:
         return out.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))
@@ -65,13 +71,15 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
 
 
 def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
-                             weights: torch.Tensor | None = None) -> torch.Tensor:
+                             weights: torch.Tensor | None = None, *,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_fn.pure.dispatch.masked_gather_sum`` in one pass: entries of ``table (R, K)``
-    below 0 are absent; ``weights (N,)`` scale the gathered rows."""
+    below 0 are absent; ``weights (N,)`` scale the gathered rows. ``rows`` and ``out`` may
+    be row-strided views."""
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     r, k = table.shape
     h = rows.shape[1]
-    out = torch.empty((r, h), dtype=rows.dtype, device=rows.device)
+    out = _output(out, r, h, rows)
     if r == 0 or h == 0 or k == 0 or rows.shape[0] == 0:
         return out.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))

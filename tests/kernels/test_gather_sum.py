@@ -240,3 +240,14 @@ def test_gather_rows_reads_and_writes_row_strided_views(dtype):
     assert torch.equal(gather_rows(src, index).cpu(), want)
     with pytest.raises(ValueError, match="out must be"):
         launch_gather_sum(src, index, 1, out=dst_wide[:, :36])
+
+
+def test_masked_gather_sum_writes_into_a_row_strided_view():
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(6, 19, generator=g).to(DEV)
+    table = torch.tensor([[0, -1], [5, 2], [-1, -1]], device=DEV)
+    wide = torch.full((3, 24), 3.0, device=DEV)
+    kernel_masked_gather_sum(rows, table, out=wide[:, :19])
+    want = masked_gather_sum(rows.cpu(), table.cpu())
+    torch.testing.assert_close(wide[:, :19].cpu(), want)
+    assert (wide[:, 19:] == 3).all()

@@ -3,6 +3,8 @@ single-process layer holding every expert."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -257,15 +259,16 @@ def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
 
 
 def _count_collectives_body(rank, world):
-    for dedup in (False, True):
-        _count_collectives(world, dedup)
+    for dedup, dtype in itertools.product((False, True),
+                                          (torch.float32, torch.bfloat16, torch.float64)):
+        _count_collectives(world, dedup, dtype)
 
 
-def _count_collectives(world, dedup):
+def _count_collectives(world, dedup, dtype):
     cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
                     comm_backend="all_to_all", ep_size=world,  # weights sent with the rows
                     all_to_all_dedup=dedup)
-    layer = MoELayer(cfg, dist.group.WORLD)
+    layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
     real = dist.all_to_all_single
 
@@ -274,10 +277,10 @@ def _count_collectives(world, dedup):
         return real(*a, **kw)
     dist.all_to_all_single = counting
     try:
-        x = torch.randn(6, 8, requires_grad=True)
+        x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
         out = layer(x)
         forward = len(calls)
-        out.sum().backward()
+        out.float().sum().backward()
         backward = len(calls) - forward
     finally:
         dist.all_to_all_single = real
@@ -295,33 +298,29 @@ def test_routing_weights_ride_in_the_rows_collective():
     run_distributed(_count_collectives_body, 2)
 
 
-def _packed_equals_apart_body(rank, world):
-    import moe_fn.comm.sorted_rows as sorted_rows
-    import moe_fn.comm.token_a2a as token_a2a
+@pytest.mark.parametrize("rows_dtype,values_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.float32, torch.float32), (torch.float64, torch.float32),
+    (torch.float32, torch.float64), (torch.bfloat16, torch.float64),
+    (torch.float32, torch.bfloat16)])
+def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
+    """What a packed collective delivers is bit for bit what was packed: the values ride as
+    their own bytes (or an exact upcast), and packed rows stay 16-byte aligned."""
+    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
 
-    original = sorted_rows.packs_float32
-    for dedup in (False, True):
-        results = []
-        for packs in (original, lambda rows: False):
-            sorted_rows.packs_float32 = token_a2a.packs_float32 = packs
-            try:
-                torch.manual_seed(0)
-                cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                                comm_backend="all_to_all", ep_size=world,
-                                all_to_all_dedup=dedup)
-                layer = MoELayer(cfg, dist.group.WORLD, dtype=torch.bfloat16)
-                x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank),
-                                dtype=torch.bfloat16).requires_grad_()
-                out = layer(x)
-                out.float().square().sum().backward()
-                results.append([out, x.grad] + [p.grad for p in layer.parameters()])
-            finally:
-                sorted_rows.packs_float32 = token_a2a.packs_float32 = original
-        # The packing carries the float32 weights' bytes in bf16 slots: nothing is rounded.
-        for a, b in zip(*results):
-            assert torch.equal(a, b), dedup
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(9, 13, generator=g).to(rows_dtype)
+    values = torch.randn(11, 3, generator=g).to(values_dtype)
+    values[0, 0] = float("nan")
+    values[1, 1] = -0.0
+    index = torch.tensor([4, 0, 8, 8, 2])
+    v_index = torch.tensor([10, 1, 0, 5, 5])
+    out = pack_rows(rows, index, values, v_index, new_packed(rows, 5, values))
+    assert (out.shape[1] - rows.shape[1]) * out.element_size() % 16 == 0  # aligned tail
+    got_rows, got_values = unpack_rows(out, values)
+    assert torch.equal(got_rows, rows[index])
+    assert got_values.dtype == values_dtype
+    want = values[v_index]
+    assert torch.equal(got_values.view(torch.int8), want.view(torch.int8))  # NaN, -0.0 too
 
 
-@pytest.mark.multiproc
-def test_packed_weights_equal_weights_sent_apart_in_bfloat16():
-    run_distributed(_packed_equals_apart_body, 2)

@@ -155,41 +155,49 @@ class AllToAllTransport:
         return out, work
 
 
-def packs_float32(rows: torch.Tensor) -> bool:
-    """Whether float32 values fit whole slots of the rows' dtype (2- and 4-byte types), so
-    that ``pack_rows`` can carry them in the rows' collective."""
-    return rows.element_size() in (2, 4)
+# Rows and per-row values (routing weights, their gradients) in one collective: each packed
+# row is [row | the values' bytes | padding to 16 bytes], so rows stay aligned and the values
+# arrive bit for bit, whatever the two dtypes.
+def _tail_bytes(values: torch.Tensor) -> int:
+    return values.shape[1] * values.element_size()
 
 
-def _slots(t: torch.Tensor, cols: int) -> int:
-    # cols float32 values, padded to 16 bytes so that every packed row stays aligned.
-    return -(-cols * 4 // 16) * 16 // t.element_size()
+def _slots(rows: torch.Tensor, values: torch.Tensor) -> int:
+    return -(-_tail_bytes(values) // 16) * 16 // rows.element_size()
 
 
-def new_packed(rows: torch.Tensor, n: int, cols: int) -> torch.Tensor:
-    """An ``(n, H + slots)`` buffer of the rows' dtype for ``pack_rows``."""
-    return rows.new_empty((n, rows.shape[1] + _slots(rows, cols)))
+def new_packed(rows: torch.Tensor, n: int, values: torch.Tensor) -> torch.Tensor:
+    """An ``(n, H + slots)`` buffer of the rows' dtype for rows and ``values (M, C)``."""
+    return rows.new_empty((n, rows.shape[1] + _slots(rows, values)))
 
 
-def pack_rows(rows, index, extra, extra_index, out):
-    """``out[i] = [rows[index[i]] | extra[extra_index[i]] (float32 bytes) | padding]``, so
-    that rows and their per-row float32 values (routing weights, their gradients) travel in
-    one collective. With ``rows`` None only the values are written (the caller wrote the
-    row part); with ``extra_index`` None they are taken in order."""
-    h = out.shape[1] - _slots(out, extra.shape[1])
+def _value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    start = (packed.shape[1] - _slots(packed, values)) * packed.element_size()
+    return packed.view(torch.uint8)[:, start:start + _tail_bytes(values)]
+
+
+def pack_rows(rows, index, values, values_index, out):
+    """``out[i] = [rows[index[i]] | values[values_index[i]] | padding]``. With ``rows``
+    None only the values are written (the caller wrote the row part); with ``values_index``
+    None they are taken in order."""
     if rows is not None:
-        kernels.gather_rows(rows, index, out=out[:, :h])
-    bits = extra.to(torch.float32).contiguous().view(out.dtype)
-    out[:, h:h + bits.shape[1]] = bits if extra_index is None else bits.index_select(
-        0, extra_index)
+        kernels.gather_rows(rows, index, out=out[:, :rows.shape[1]])
+    if out.shape[0] == 0 or values.shape[0] == 0:  # (empty tensors may not view as bytes)
+        return out
+    raw = values.contiguous().view(torch.uint8)
+    _value_bytes(out, values).copy_(raw if values_index is None else raw.index_select(
+        0, values_index))
     return out
 
 
-def unpack_rows(packed, cols: int, dtype):
-    """``pack_rows`` undone: ``(row part, a row-strided view; values (n, cols) in dtype)``."""
-    h = packed.shape[1] - _slots(packed, cols)
-    values = packed[:, h:h + cols * 4 // packed.element_size()]
-    return packed[:, :h], values.contiguous().view(torch.float32).to(dtype)
+def unpack_rows(packed, values_like):
+    """``pack_rows`` undone: ``(row part, a row-strided view; the values (n, C))``, with
+    ``values_like`` the packed values' template (their dtype and width)."""
+    h = packed.shape[1] - _slots(packed, values_like)
+    if packed.shape[0] == 0:
+        return packed[:, :h], values_like.new_empty((0, values_like.shape[1]))
+    return packed[:, :h], _value_bytes(packed, values_like).contiguous().view(
+        values_like.dtype)
 
 
 def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):

@@ -26,7 +26,6 @@ from .base import (
     Pending,
     new_packed,
     pack_rows,
-    packs_float32,
     unpack_rows,
 )
 
@@ -80,70 +79,72 @@ class SortedRowsExchange(Exchange):
         return self._layout_counts(plan)
 
     # ---- the two moves ---------------------------------------------------------------------
+    # Both take optional ``weights``, one value per moved row (routing weights, their
+    # gradients), which travel packed behind the rows in the same collective (``pack_rows``)
+    # and come back in the order the finished move's gather puts the rows in.
     def _to_experts(self, token_rows, h: SortedRowsHandle, *, async_op=False):
         """Token rows ``(T, D)`` -> expert rows ``(N, D)``; returns ``finish() -> rows``."""
         finish = self._to_experts_unordered(token_rows, h, async_op=async_op)
 
         def rows():
-            src, index = finish()
-            return src.index_select(0, index)
+            src, index, _ = finish()
+            return kernels.gather_rows(src, index)
         return rows
 
-    def _to_experts_unordered(self, token_rows, h: SortedRowsHandle, *, async_op=False):
-        """The moves of ``_to_experts`` without its last gather: ``finish() -> (src,
-        index)`` with expert row i at ``src[index[i]]``, for a consumer that gathers
-        itself."""
+    def _to_experts_unordered(self, token_rows, h: SortedRowsHandle, *, async_op=False,
+                              weights=None):
+        """The moves of ``_to_experts`` without its last gather: ``finish() -> (src, index,
+        row_weights)`` with expert row i at ``src[index[i]]`` and, given ``weights (T*k,)``,
+        its weight at ``row_weights[i]``."""
         if h.self_dst is None:  # one rank: sorted order is expert order
-            return lambda: (token_rows, h.self_tokens)
+            w = None if weights is None else weights.index_select(0, h.flat.self_tokens)
+            return lambda: (token_rows, h.self_tokens, w)
         # [received rows; own rows], then one gather into expert order.
-        return self._move(token_rows, h.remote_tokens, h.self_tokens, h.send_splits,
-                          h.recv_splits, h.num_rows, h.expert_src, async_op)
+        return self._move(token_rows, (h.remote_tokens, h.self_tokens), h.send_splits,
+                          h.recv_splits, h.num_rows, h.expert_src, async_op, weights,
+                          (h.flat.remote_tokens, h.flat.self_tokens))
 
-    def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False):
-        """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order)`` where
-        ``src[order]`` are the home rank's rows in (token, k) order, ``(T*k, D)``."""
+    def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None):
+        """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order, weights)``
+        where ``src[order]`` are the home rank's rows in (token, k) order, ``(T*k, D)``, and
+        ``weights`` (given ``weights (N,)``) theirs in that order."""
         if h.self_dst is None:
-            return lambda: (expert_rows, h.plan.inv_perm)
+            w = None if weights is None else weights.index_select(0, h.plan.inv_perm)
+            return lambda: (expert_rows, h.plan.inv_perm, w)
         # [remote rows as they return; own rows]: one later gather puts them in (t, k) order.
-        return self._move(expert_rows, h.recv_dst, h.self_dst, h.recv_splits, h.send_splits,
-                          h.home_order.numel(), h.home_order, async_op)
+        index = (h.recv_dst, h.self_dst)
+        return self._move(expert_rows, index, h.recv_splits, h.send_splits,
+                          h.home_order.numel(), h.home_order, async_op, weights, index)
 
-    def _move(self, rows, send_index, own_index, send_splits, recv_splits, num_rows, order,
-              async_op):
-        """Either direction's move: ``rows[send_index]`` go out, what arrives fills the
-        front of a ``num_rows`` buffer and ``rows[own_index]`` its tail (copied while the
-        remote rows are in flight); ``finish() -> (buffer, order)``."""
+    def _move(self, rows, index, send_splits, recv_splits, num_rows, order, async_op,
+              weights=None, w_index=None):
+        """Either direction's move: ``rows[index[0]]`` go out, what arrives fills the front
+        of a ``num_rows`` buffer and ``rows[index[1]]`` its tail (copied while the remote
+        rows are in flight); ``finish() -> (buffer, order, weights[order] or None)``, the
+        weights (at ``w_index``, like ``index``) packed into the same collective."""
         n_in = sum(recv_splits)
-        buf = rows.new_empty((num_rows, *rows.shape[1:]))
-        _, work = self._exchange(rows.index_select(0, send_index), send_splits, recv_splits,
-                                 async_op=async_op, out=buf[:n_in])
-        torch.index_select(rows, 0, own_index, out=buf[n_in:])
-
-        def finish():
-            if work is not None:
-                work.wait()
-            return buf, order
-        return finish
-
-    def _move_packed(self, rows, weights, index, w_index, send_splits, recv_splits, num_rows,
-                     order, async_op):
-        """``_move`` of rows together with one weight per row, in one collective instead of
-        two (``pack_rows``). ``index`` / ``w_index``: ``(send, own)`` row / weight
-        positions. ``finish() -> (row part, a row-strided view; weights (num_rows,);
-        order)``."""
-        w = weights.reshape(-1, 1)
-        n_in = sum(recv_splits)
-        buf = new_packed(rows, num_rows, 1)
-        send = pack_rows(rows, index[0], w, w_index[0], new_packed(rows, index[0].numel(), 1))
+        if weights is None:
+            buf = rows.new_empty((num_rows, *rows.shape[1:]))
+            send = rows.index_select(0, index[0])
+        else:
+            w = weights.reshape(-1, 1)
+            buf = new_packed(rows, num_rows, w)
+            send = pack_rows(rows, index[0], w, w_index[0],
+                             new_packed(rows, index[0].numel(), w))
         _, work = self._exchange(send, send_splits, recv_splits, async_op=async_op,
                                  out=buf[:n_in])
-        pack_rows(rows, index[1], w, w_index[1], buf[n_in:])  # own rows, meanwhile
+        if weights is None:
+            torch.index_select(rows, 0, index[1], out=buf[n_in:])
+        else:
+            pack_rows(rows, index[1], w, w_index[1], buf[n_in:])
 
         def finish():
             if work is not None:
                 work.wait()
-            src, w_src = unpack_rows(buf, 1, weights.dtype)
-            return src, w_src.reshape(-1), order
+            if weights is None:
+                return buf, order, None
+            src, w_src = unpack_rows(buf, w)
+            return src, order, w_src.reshape(-1).index_select(0, order)
         return finish
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:
@@ -156,53 +157,23 @@ class SortedRowsExchange(Exchange):
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
-        if weights is not None and handle.self_dst is not None and packs_float32(x):
-            # The routing weights ride in the rows' collective.
-            flat = handle.flat
-            src, w, order = self._move_packed(
-                x, weights.reshape(-1), (handle.remote_tokens, handle.self_tokens),
-                (flat.remote_tokens, flat.self_tokens), handle.send_splits,
-                handle.recv_splits, handle.num_rows, handle.expert_src, True)()
-            return kernels.gather_rows(src, order), w.index_select(0, order), handle
-        finish_w = None
-        if weights is not None:
-            # (T, k) weights ride as (T*k, 1) "rows" indexed by flattened (token, k) row.
-            finish_w = self._to_experts(weights.reshape(-1, 1), _flat_rows(handle),
-                                        async_op=True)
-        rows = self._to_experts(x, handle, async_op=True)()
-        row_weights = None if finish_w is None else finish_w().reshape(-1)
-        return rows, row_weights, handle
+        # (T, k) weights are indexed by flattened (token, k) row.
+        src, index, row_weights = self._to_experts_unordered(
+            x, handle, async_op=True, weights=None if weights is None else weights.reshape(-1))()
+        return kernels.gather_rows(src, index), row_weights, handle
 
     def dispatch_bwd(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
         """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
-        if d_row_weights is not None and handle.self_dst is not None and packs_float32(d_rows):
-            # The weight gradients ride in the row gradients' collective.
-            idx = (handle.recv_dst, handle.self_dst)
-            finish_packed = self._move_packed(
-                d_rows, d_row_weights.reshape(-1), idx, idx, handle.recv_splits,
-                handle.send_splits, handle.home_order.numel(), handle.home_order, async_op)
-
-            def finish_together():
-                src, w, order = finish_packed()
-                d_w = w.index_select(0, order).reshape(plan.num_tokens, plan.top_k)
-                return self._sum_home(src, order, plan), d_w
-            pending = Pending(finish_together)
-            return pending if async_op else pending.wait()
-        finish_rows = self._to_home(d_rows, handle, async_op=async_op)
-        finish_w = None
-        if d_row_weights is not None:
-            finish_w = self._to_home(d_row_weights.reshape(-1, 1), handle, async_op=async_op)
+        finish_home = self._to_home(d_rows, handle, async_op=async_op, weights=d_row_weights)
 
         def finish():
-            dx = self._sum_home(*finish_rows(), plan)
-            d_w = None
-            if finish_w is not None:
-                src, order = finish_w()
-                d_w = src.index_select(0, order).reshape(plan.num_tokens, plan.top_k)
-            return dx, d_w
+            src, order, d_w = finish_home()
+            if d_w is not None:
+                d_w = d_w.reshape(plan.num_tokens, plan.top_k)
+            return self._sum_home(src, order, plan), d_w
 
         pending = Pending(finish)
         return pending if async_op else pending.wait()
@@ -210,7 +181,7 @@ class SortedRowsExchange(Exchange):
     # ---- combine: expert rows -> token rows, summed over k ---------------------------------
     def combine_fwd(self, rows, handle: SortedRowsHandle):
         self.counters["combine"] += 1
-        src, order = self._to_home(rows, handle, async_op=True)()
+        src, order, _ = self._to_home(rows, handle, async_op=True)()
         return self._sum_home(src, order, handle.plan), handle
 
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
@@ -226,7 +197,7 @@ class SortedRowsExchange(Exchange):
             return super().combine_bwd_weighted_rows(handle, d_out, rows, row_weights,
                                                      fused=False)
         self.counters["combine_backward"] += 1
-        src, index = self._to_experts_unordered(d_out, handle, async_op=True)()
+        src, index, _ = self._to_experts_unordered(d_out, handle, async_op=True)()
         return kernels.gather_row_weight_bwd(src, index, rows, row_weights)
 
     # ---- combine with the routing weights applied at home ----------------------------------
@@ -234,7 +205,7 @@ class SortedRowsExchange(Exchange):
         """``out[t] = sum_j w[t, j] * row(t, j)``; returns ``(out, src)``, ``src`` being the
         returned rows in home-buffer order (the backward's ``d_weights`` needs them)."""
         self.counters["combine"] += 1
-        src, order = self._to_home(rows, handle, async_op=True)()
+        src, order, _ = self._to_home(rows, handle, async_op=True)()
         impl = kernels.weighted_gather_sum_fwd if self.fused_combine else weighted_gather_sum_fwd
         return impl(src, order, weights.reshape(-1), handle.plan.top_k)[0], src
 
@@ -269,11 +240,6 @@ class SortedRowsExchange(Exchange):
                                                    hi_out=hi_out)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
         return (*split_rows(d_rows, split, hi_out), d_w)
-
-
-def _flat_rows(h: SortedRowsHandle) -> SortedRowsHandle:
-    """The handle's moves re-indexed for (T*k, ...) inputs with one row per (token, k)."""
-    return h.flat
 
 
 class LocalExchange(SortedRowsExchange):

@@ -22,7 +22,6 @@ from .base import (
     expand_received,
     new_packed,
     pack_rows,
-    packs_float32,
     unpack_rows,
 )
 from .tokens import TokenRowsExchange
@@ -74,24 +73,35 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
             local_offs=torch.cumsum(local_counts, 0).to(torch.int32), num_rows=num_rows,
             num_recv_tokens=sum(recv_splits))
 
-    def _to_receivers(self, token_rows, h: TokenExchangeHandle, *, async_op=False):
-        out, work = self._exchange(token_rows.index_select(0, h.send_tokens), h.send_splits,
-                                   h.recv_splits, async_op=async_op)
+    # Both transports take optional per-row ``values`` ((rows, C): routing weights, their
+    # gradients), which travel packed behind the rows in the same collective.
+    def _to_receivers(self, token_rows, h: TokenExchangeHandle, *, values=None,
+                      async_op=False):
+        """Home tokens to the ranks that own their experts: ``finish() -> (received rows,
+        received values or None)``."""
+        st = h.send_tokens
+        send = (token_rows.index_select(0, st) if values is None else
+                pack_rows(token_rows, st, values, st, new_packed(token_rows, st.numel(), values)))
+        out, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=async_op)
+        return self._finish(out, work, values)
+
+    def _to_home(self, partials, h: TokenExchangeHandle, *, values=None, async_op=False):
+        """Per received-token partials (packed with ``values`` when given) back home:
+        ``finish() -> (partials summed per home token over ranks, returned values)``."""
+        back, work = self._exchange(partials, h.recv_splits, h.send_splits, async_op=async_op)
+        finish_back = self._finish(back, work, values)
 
         def finish():
-            if work is not None:
-                work.wait()
-            return out
+            rows, back_values = finish_back()
+            return kernels.masked_gather_sum(rows, h.home_table), back_values
         return finish
 
-    def _to_home(self, partials, h: TokenExchangeHandle, *, async_op=False):
-        """Per received-token partials back home, summed per home token over ranks."""
-        back, work = self._exchange(partials, h.recv_splits, h.send_splits, async_op=async_op)
-
+    @staticmethod
+    def _finish(out, work, values):
         def finish():
             if work is not None:
                 work.wait()
-            return kernels.masked_gather_sum(back, h.home_table)
+            return (out, None) if values is None else unpack_rows(out, values)
         return finish
 
     # ---- dispatch -----------------------------------------------------------------------
@@ -100,23 +110,12 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
         # A replayed route's weights have the values the first dispatch delivered (as with
         # DeepEP's cached dispatch): only the tokens travel again.
         reuse_w = cached and weights is not None and handle.row_weights is not None
-        send_w = weights is not None and not reuse_w
-        recv_w = None
-        if send_w and packs_float32(x):  # the weights ride in the tokens' collective
-            k, st = weights.shape[1], handle.send_tokens
-            packed = pack_rows(x, st, weights.detach(), st, new_packed(x, st.numel(), k))
-            recv, _ = self._exchange(packed, handle.send_splits, handle.recv_splits)
-            recv, recv_w = unpack_rows(recv, k, weights.dtype)
-        else:
-            finish_w = (self._to_receivers(weights.detach(), handle, async_op=True)
-                        if send_w else None)
-            recv = self._to_receivers(x, handle, async_op=True)()
-            recv_w = finish_w() if finish_w is not None else None
+        send_w = None if weights is None or reuse_w else weights.detach()
+        recv, recv_w = self._to_receivers(x, handle, values=send_w)()
         if recv.shape[0] != handle.num_recv_tokens:
             raise RuntimeError(f"received {recv.shape[0]} tokens but the handle expects "
                                f"{handle.num_recv_tokens}")
-        rows = (recv.index_select(0, handle.token_of_row) if recv.is_contiguous()
-                else kernels.gather_rows(recv, handle.token_of_row))
+        rows = kernels.gather_rows(recv, handle.token_of_row)
         row_w = None
         if reuse_w:
             row_w = handle.row_weights.clone()  # a new output tensor for this autograd node
@@ -128,51 +127,26 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
     def dispatch_bwd(self, handle: TokenExchangeHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
         """Row gradients summed per received token, sent home, summed over ranks; the
-        routing-weight gradients ride back in a (received token, k) table, packed into the
-        same collective where the dtype allows."""
+        routing-weight gradients ride along as a (received token, k) table."""
         self.counters["dispatch_backward"] += 1
-        if d_row_weights is not None and packs_float32(d_rows):
-            k = handle.plan.top_k
-            buf = new_packed(d_rows, handle.row_of_slot.shape[0], k)
-            kernels.masked_gather_sum(d_rows, handle.row_of_slot,
-                                      out=buf[:, :d_rows.shape[1]])
-            pack_rows(None, None, self._recv_weight_grads(handle, d_row_weights), None, buf)
-            back, work = self._exchange(buf, handle.recv_splits, handle.send_splits,
-                                        async_op=async_op)
-
-            def finish_packed():
-                if work is not None:
-                    work.wait()
-                back_rows, back_w = unpack_rows(back, k, d_row_weights.dtype)
-                return (kernels.masked_gather_sum(back_rows, handle.home_table),
-                        self._home_weight_grads(handle, back_w))
-            pending = Pending(finish_packed)
-            return pending if async_op else pending.wait()
-        finish_x = self._to_home(kernels.masked_gather_sum(d_rows, handle.row_of_slot), handle,
-                                 async_op=async_op)
-        finish_w = None
-        if d_row_weights is not None:
-            back_w, work_w = self._exchange(self._recv_weight_grads(handle, d_row_weights),
-                                            handle.recv_splits, handle.send_splits,
-                                            async_op=async_op)
-
-            def finish_w():
-                if work_w is not None:
-                    work_w.wait()
-                return self._home_weight_grads(handle, back_w)
+        table = handle.row_of_slot
+        d_recv_w = None
+        if d_row_weights is None:
+            partials = kernels.masked_gather_sum(d_rows, table)
+        else:
+            flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
+            d_recv_w = flat[torch.where(table >= 0, table, flat.numel() - 1)]
+            partials = new_packed(d_rows, table.shape[0], d_recv_w)
+            kernels.masked_gather_sum(d_rows, table, out=partials[:, :d_rows.shape[1]])
+            pack_rows(None, None, d_recv_w, None, partials)
+        finish_home = self._to_home(partials, handle, values=d_recv_w, async_op=async_op)
 
         def finish():
-            return finish_x(), (finish_w() if finish_w is not None else None)
+            dx, back_w = finish_home()
+            return dx, (None if back_w is None else self._home_weight_grads(handle, back_w))
 
         pending = Pending(finish)
         return pending if async_op else pending.wait()
-
-    @staticmethod
-    def _recv_weight_grads(handle: TokenExchangeHandle, d_row_weights):
-        """The rows' weight gradients as a (received token, k) table, 0 where absent."""
-        table = handle.row_of_slot
-        flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
-        return flat[torch.where(table >= 0, table, flat.numel() - 1)]
 
     @staticmethod
     def _home_weight_grads(handle: TokenExchangeHandle, back_w):
@@ -184,7 +158,7 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
 
     # ---- the combine's transports (the combine itself: TokenRowsExchange) ----------------
     def _partials_home(self, partials, handle: TokenExchangeHandle):
-        return self._to_home(partials, handle, async_op=True)()
+        return self._to_home(partials, handle, async_op=True)()[0]
 
     def _tokens_to_experts(self, d_out, handle: TokenExchangeHandle):
-        return self._to_receivers(d_out, handle, async_op=True)()
+        return self._to_receivers(d_out, handle, async_op=True)()[0]

@@ -205,10 +205,12 @@ def gather_row_weight_bwd(src, index, rows, weights):
 
 
 def gather_rows(src, index, *, out=None):
-    """``out[i] = src[index[i]]``: one pass that reads and writes row-strided views (the
-    row part of packed rows) as they are, Triton on CUDA in eager mode; ``index_select``
-    elsewhere. Not an op: the exchanges that call it run eagerly."""
-    if use_triton(src) and not torch.compiler.is_compiling():
+    """``out[i] = src[index[i]]`` in one pass. Row-strided views (the row part of packed
+    rows) are read and written as they are, by Triton on CUDA in eager mode; a contiguous
+    ``src`` without ``out`` takes ``index_select`` (PyTorch's vectorised gather), as does
+    everything elsewhere. Not an op: the exchanges that call it run eagerly."""
+    strided = out is not None or not src.is_contiguous()
+    if strided and use_triton(src) and not torch.compiler.is_compiling():
         from .gather_sum import launch_gather_sum
 
         return launch_gather_sum(src, index, 1, out=out)

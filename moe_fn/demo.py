@@ -320,11 +320,6 @@ def check_args(args) -> None:
             raise SystemExit(f"--comm deepep: {e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return demo(args)
-
-
 def demo(args) -> int:
     check_args(args)
     if importlib.util.find_spec("transformers") is None:
@@ -360,7 +355,3 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="skip the third run, the unconverted transformers model")
     return p
 
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_fn demo", description=__doc__.split("\n")[0])
-    return add_arguments(p)

@@ -209,10 +209,10 @@ def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: i
     A stable sort of the ids with "elsewhere" last: the dispatch layout (Triton on CUDA)."""
     k = local_idx.shape[1]
     key = torch.where(local_idx < 0, num_local_experts, local_idx)
-    _, _, perm, inv_perm = kernels.layout(key, num_local_experts + 1)
-    slots = perm[:num_rows]
+    # The layout writes each sorted entry's token (perm // k) as it goes.
+    _, _, perm, inv_perm, tokens = kernels.layout_with_tokens(key, num_local_experts + 1)
     row_of_slot = torch.where(inv_perm < num_rows, inv_perm, -1).reshape(local_idx.shape)
-    return slots // k, slots % k, row_of_slot
+    return tokens[:num_rows], perm[:num_rows] % k, row_of_slot
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import MoEConfig
+from ..config import MoEConfig, _positive_int
 from ..layer import MoELayer
 from ..replay import wrap_checkpoint
 from .presets import MODEL_TYPES, PRESETS, Preset
@@ -356,8 +356,7 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     if p.unsupported:
         raise NotImplementedError(p.unsupported)
     _check_options(options, moe_layer_pattern)
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+    _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)
     for name, block in _find_blocks(model, p.cls("block"), moe_layer_pattern):
         _convert_block(block, p, text_config, process_group, ep_size, options)

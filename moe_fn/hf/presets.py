@@ -67,12 +67,8 @@ def _routing_qwen3(cfg):
     return _softmax(cfg, "norm_topk_prob") | _act(cfg)
 
 
-def _routing_qwen3_5(cfg):
-    # Qwen3.5-MoE's router always normalises the top-k probabilities.
-    return _softmax(cfg, True) | _act(cfg)
-
-
-def _routing_mixtral(cfg):
+def _routing_normalised(cfg):
+    # Qwen3.5-MoE's and Mixtral's routers always normalise the top-k probabilities.
     return _softmax(cfg, True) | _act(cfg)
 
 
@@ -148,16 +144,9 @@ def forward_gated_shared(block, hidden_states, routed):
 
 
 def forward_shared(block, hidden_states, routed):
-    """DeepSeek-V2/V3, GLM-4-MoE: routed + shared_experts(x)."""
+    """DeepSeek-V2/V3, GLM-4-MoE, MiniMax-M3 (its routed_scaling_factor folded into the
+    routing weights): routed + shared_experts(x)."""
     return routed(hidden_states) + block.shared_experts(hidden_states)
-
-
-def forward_minimax_m3(block, hidden_states, routed):
-    """MiniMax-M3: routed (routed_scaling_factor folded into the weights) + shared_experts."""
-    b, s, h = hidden_states.shape
-    x = hidden_states.view(-1, h)
-    shared = block.shared_experts(x)
-    return (routed(x) + shared).reshape(b, s, h)
 
 
 def forward_gpt_oss(block, hidden_states, routed):
@@ -237,9 +226,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "Qwen2MoeExperts", _routing_qwen3, forward_gated_shared),
     _p("qwen3_5_moe", ["qwen3_5_moe", "qwen3_5_moe_text"], "qwen3_5_moe",
        "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts",
-       _routing_qwen3_5, forward_gated_shared, min_transformers="5.2.0"),
+       _routing_normalised, forward_gated_shared, min_transformers="5.2.0"),
     _p("mixtral", ["mixtral"], "mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter",
-       "MixtralExperts", _routing_mixtral, forward_jitter),
+       "MixtralExperts", _routing_normalised, forward_jitter),
     _p("olmoe", ["olmoe"], "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
        _routing_qwen3, forward_plain),
     _p("deepseek_v2", ["deepseek_v2"], "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
@@ -255,7 +244,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        bias_attr="e_score_correction_bias", router_dtype="weight"),
     _p("minimax_m3", ["minimax_m3_vl", "minimax_m3_vl_text"], "minimax_m3_vl",
        "MiniMaxM3VLSparseMoeBlock", "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts",
-       _routing_minimax_m3, forward_minimax_m3, bias_attr="gate.e_score_correction_bias",
+       _routing_minimax_m3, forward_shared, bias_attr="gate.e_score_correction_bias",
        router_dtype="weight", min_transformers="5.15.0"),
     _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
        _routing_gpt_oss, forward_gpt_oss, router_attr="router", transposed=True),

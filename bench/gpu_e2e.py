@@ -21,7 +21,8 @@ layers keep their activations instead of being recomputed: ``recompute_in_checkp
 False``, which leaves the skip nothing to skip). Arms run round-robin (one step of each
 arm, then the next step) so clock and thermal drift hit every arm alike; every arm sees the
 same batches. Per arm: the median step time (CUDA events around zero_grad + forward +
-backward + optimizer step, max over ranks), the peak memory of its steps, and every step's
+backward + optimizer step, max over ranks), its steps' peak memory above what every arm
+keeps resident (activations, gradients, temporaries), and every step's
 loss (mean over ranks): step 1 losses agree across arms up to bf16 rounding.
 
 ``--single`` (one GPU, no torchrun): the unconverted model with transformers' grouped_mm
@@ -287,6 +288,11 @@ def _run_steps(args, live, res, data, total, device, results, out_path):
             err = None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                # Every arm's weights and optimizer state stay resident: this arm's step
+                # memory is the peak above what was allocated before it (its own gradients
+                # released first, as the step's zero_grad would).
+                opt.zero_grad(set_to_none=True)
+                resident = torch.cuda.memory_allocated()
             try:
                 ms, loss = step(model, opt, data[i], device)
             except Exception as e:
@@ -304,8 +310,9 @@ def _run_steps(args, live, res, data, total, device, results, out_path):
             res[name]["losses"].append(reduce_mean(loss, device))
             res[name]["step_ms"].append(reduce_max(ms, device))
             if device.type == "cuda":
-                peak = reduce_max(torch.cuda.max_memory_allocated() / 2**30, device)
-                res[name]["peak_gb"] = max(res[name].get("peak_gb", 0.0), peak)
+                peak = reduce_max((torch.cuda.max_memory_allocated() - resident) / 2**30,
+                                  device)
+                res[name]["step_peak_gb"] = max(res[name].get("step_peak_gb", 0.0), peak)
         if i + 1 in (1, args.warmup, total) or (i + 1) % 10 == 0:
             say(f"step {i + 1}/{total}: " + ", ".join(
                 f"{n} {res[n]['step_ms'][-1]:.1f} ms loss {res[n]['losses'][-1]:.4f}"
@@ -338,7 +345,7 @@ def summarise(args, results):
         # Round-robin steps with the same index ran back to back on the same batch: the
         # median of their ratios cancels drift that the ratio of medians keeps.
         mine = r["step_ms"][args.warmup:]
-        pairs = [b / a for a, b in zip(mine, base_steps) if a == a and b == b and a > 0]
+        pairs = [b / a for a, b in zip(mine, base_steps) if a > 0]
         r["paired_speedup_vs_baseline"] = statistics.median(pairs) if pairs else None
 
 
@@ -510,7 +517,7 @@ def main(argv=None):
         results["wall_s"] = time.perf_counter() - t0
         write(results, json_path)
     rows = [(n, r) for n, r in results["arms"].items()]
-    say(f"\n{'arm':<16} {'median ms':>10} {'speedup':>8} {'paired':>7} {'peak GB':>8} "
+    say(f"\n{'arm':<16} {'median ms':>10} {'speedup':>8} {'paired':>7} {'step GB':>8} "
         f"{'loss step 1':>12} {'loss last':>10}  status")
     nan = float("nan")
     for n, r in rows:
@@ -518,7 +525,7 @@ def main(argv=None):
         ps = r.get("paired_speedup_vs_baseline")
         say(f"{n:<16} {med if med is not None else nan:>10.2f} "
             f"{sp if sp is not None else nan:>8.3f} {ps if ps is not None else nan:>7.3f} "
-            f"{r.get('peak_gb', 0.0):>8.2f} "
+            f"{r.get('step_peak_gb', 0.0):>8.2f} "
             f"{(r['losses'] or [float('nan')])[0]:>12.5f} "
             f"{(r['losses'] or [float('nan')])[-1]:>10.5f}  {r['status']}")
     say(f"step-1 loss spread across arms: {results['step1_loss_spread']}; "

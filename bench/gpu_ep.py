@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -31,10 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moe_fn
 from bench._gpu import environment
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.autograd.routing import Combine
+from moe_fn.pure.activations import resolve_layout
 from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
 
 RANK = WORLD = 0
-LOG = []
 
 
 def say(*a):
@@ -68,6 +70,7 @@ def backends(have_deepep):
     return ["all_to_all", "all_to_all_dedup"] + (["deepep"] if have_deepep else [])
 
 
+@functools.cache
 def comm_group(sms):
     """An NCCL group whose kernels use at most ``sms`` CTAs, matching the GEMMs' carveout
     (without a cap NCCL may take more SMs than the carveout leaves free)."""
@@ -144,15 +147,14 @@ QWEN = dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8)
 
 
 def dispatch_once(layer, x):
-    """Route ``x`` and dispatch it as the layer's forward does; with home weighting
-    (all_to_all's fused combine) the weights stay home and enter the combine's sum there.
-    Returns ``(idx, w, sent_w, plan, rows, row_w, handle)``."""
+    """Route ``x`` and dispatch it as the layer's forward does (the weights stay home where
+    the layer weights at home). Returns ``(w, sent_w, plan, rows, row_w, handle)``."""
     ex = layer.exchange
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, layer.config.num_experts)
-    sent_w = None if getattr(ex, "fused_combine", False) else w
+    sent_w = None if layer._weight_placement()[0] else w
     rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
-    return idx, w, sent_w, plan, rows, row_w, handle
+    return w, sent_w, plan, rows, row_w, handle
 
 
 def layer_bench(have_deepep, results, tokens, reps):
@@ -166,8 +168,8 @@ def layer_bench(have_deepep, results, tokens, reps):
             return layer(x)
 
         def fwd_bwd():
-            for p in layer.parameters():
-                p.grad = None
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
             layer(x).backward(dy)
         tf, tfb = timed(fwd, reps), timed(fwd_bwd, reps)
         row = {"fwd_ms": tf, "bwd_ms": tfb - tf, "tflops_fwd": flops / tf / 1e9,
@@ -179,26 +181,29 @@ def layer_bench(have_deepep, results, tokens, reps):
         # all_to_all_single of the same bytes.
         ex = layer.exchange
         with torch.no_grad():
-            idx, w, sent_w, plan, rows, row_w, handle = dispatch_once(layer, x)
+            w, sent_w, plan, rows, row_w, handle = dispatch_once(layer, x)
+            home_w, fold_w = layer._weight_placement()
 
             def fresh():
-                p = moe_fn.layer.make_route_plan(idx, 128)
+                p = moe_fn.layer.make_route_plan(plan.topk_idx, layer.config.num_experts)
                 ex.dispatch_fwd(x, sent_w, ex.layout(p))
 
             def cached():
                 ex.dispatch_fwd(x, sent_w, handle, cached=True)
 
-            def combine():
-                if getattr(ex, "fused_combine", False):
-                    ex.combine_weighted_fwd(rows, w, handle)
-                else:
-                    ex.combine_fwd(rows, handle)
+            def combine():  # as the layer's forward combines, weights where it puts them
+                Combine.apply(rows, ex, handle, w if home_w else None,
+                              row_w if fold_w else None)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
         # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
         # not kept locally.
-        sent_rows = (sum(handle.send_splits) - handle.send_splits[RANK]
-                     if backend.startswith("all_to_all") else handle.num_recv_tokens)
+        if backend.startswith("all_to_all"):
+            sent_rows = sum(handle.send_splits) - handle.send_splits[RANK]
+        else:  # DeepEP receives this rank's own tokens too: count only the others'
+            el = layer.config.num_local_experts
+            own = int(((plan.topk_idx // el) == RANK).any(1).sum())
+            sent_rows = handle.num_recv_tokens - own
         payload = sent_rows * 2048 * 2
         row = {"fresh_dispatch_ms": t_fresh, "cached_dispatch_ms": t_cached,
                "combine_ms": t_comb, "cached_speedup": t_fresh / t_cached,
@@ -317,9 +322,12 @@ def overlap_bench(have_deepep, results, tokens, reps):
             with torch.no_grad():
                 *_, rows, row_w, handle = dispatch_once(layer, x)
                 d_rows = torch.randn_like(rows)
+                c = layer.config
+                act_id, alpha, limit = c.act_static
                 _, res = experts_fwd(rows, layer.experts.gate_up_proj, layer.experts.down_proj,
-                                     handle.local_offs, act_id=0, alpha=0.0, limit=0.0,
-                                     layout_id=0, fused=True)
+                                     handle.local_offs, act_id=act_id, alpha=alpha,
+                                     limit=limit, layout_id=resolve_layout(c.gate_up_layout),
+                                     fused=c.gate_up_impl == "fused")
                 _, _, work = experts_bwd_input(res, d_rows)
                 t_dw = timed(lambda: experts_bwd_weight(work), reps)
                 t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)

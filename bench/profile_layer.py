@@ -37,6 +37,8 @@ def main():
     dy = torch.randn_like(x)
 
     def step():
+        layer.zero_grad(set_to_none=True)  # no gradient accumulation pass
+        x.grad = None
         out = layer(x)
         if a.phase == "fwd_bwd":
             out.backward(dy)

@@ -182,6 +182,22 @@ class MoELayer(nn.Module):
                 "is not supported: routing replay records and consumes entries on the "
                 "host. Capture the layer outside the checkpoint, or run it eagerly.")
 
+    def _weight_placement(self, skip: bool = False) -> tuple[bool, bool]:
+        """``(home_w, fold_w)``: whether post-expert routing weights enter the combine's sum
+        at home, or the expert side's per-token sum, instead of a weighting pass."""
+        c = self.config
+        post = c.score_apply == "post" and not skip
+        # With the fused combine, post-expert weights go into its sum at home when the
+        # exchange brings rows home one by one: they need not travel, and no separate
+        # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
+        # than weighting on the expert side.) The skipped combine keeps the expert-side
+        # weighting: its backward needs the rows there.
+        home_w = post and c.combine_impl == "fused" and self.exchange.home_weighting
+        # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
+        # their expert-side per-token sum instead.
+        fold_w = post and c.row_weighting_impl == "fused" and self.exchange.folds_row_weights
+        return home_w, fold_w
+
     def _forward_routed(self, x2, region):
         """Route, dispatch, experts, combine: ``(out (T, H), logits (T, E))``. In a
         checkpoint region the forward records its route and the recompute replays it."""
@@ -195,17 +211,7 @@ class MoELayer(nn.Module):
             overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
                        *self._expert_biases())
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
-        # With the fused combine, post-expert weights go into its sum at home when the
-        # exchange brings rows home one by one: they need not travel, and no separate
-        # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
-        # than weighting on the expert side.) The skipped combine keeps the expert-side
-        # weighting: its backward needs the rows there.
-        home_w = (c.score_apply == "post" and c.combine_impl == "fused"
-                  and self.exchange.home_weighting and not skip)
-        # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
-        # their expert-side per-token sum instead.
-        fold_w = (c.score_apply == "post" and c.row_weighting_impl == "fused"
-                  and self.exchange.folds_row_weights and not skip)
+        home_w, fold_w = self._weight_placement(skip)
         sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)

@@ -134,15 +134,6 @@ class _Bar:
             self.bar.close()
 
 
-def _expert_keys(model) -> set[str]:
-    from .hf import converted_blocks
-    keys = set()
-    for n, b in converted_blocks(model):
-        attr = b.moe_preset.experts_attr
-        keys |= {f"{n}.{attr}.gate_up_proj", f"{n}.{attr}.down_proj"}
-    return keys
-
-
 def train(model, data, *, rank: int, world: int, steps: int, name: str, converted: bool,
           verbose: bool) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """``steps`` AdamW steps; returns the global loss per step, the final full state dict
@@ -150,7 +141,8 @@ def train(model, data, *, rank: int, world: int, steps: int, name: str, converte
     device = next(model.parameters()).device
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    experts = _expert_keys(model) if converted else set()
+    from .hf import expert_parameter_names
+    experts = expert_parameter_names(model) if converted else set()
     sync = converted and world > 1
     losses = []
     bar = _Bar(steps, name, verbose)

@@ -11,10 +11,12 @@ from .convert import (
     HFMoELayer,
     convert,
     converted_blocks,
+    expert_parameter_names,
     gather_expert_state_dict,
     resolve_preset,
 )
 from .presets import MODEL_TYPES, PRESETS, Preset
 
 __all__ = ["MODEL_TYPES", "OPTIONS", "PRESETS", "ConvertedBlock", "HFMoELayer", "Preset",
-           "convert", "converted_blocks", "gather_expert_state_dict", "resolve_preset"]
+           "convert", "converted_blocks", "expert_parameter_names", "gather_expert_state_dict",
+           "resolve_preset"]

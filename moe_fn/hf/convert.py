@@ -380,17 +380,29 @@ def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, 
     it. The result loads into an unconverted HF model of the same config.
     """
     sd = model.state_dict()
-    for name, block in converted_blocks(model):
+    for key, block, pname in _expert_entries(model):
         layer = block.moe_layer
         ep = layer.config.ep_size
         if ep == 1:
             continue
         group = process_group if process_group is not None else layer.process_group
         experts = getattr(block, block.moe_preset.experts_attr)
-        for pname in _expert_params(layer.config):
-            key = ".".join(filter(None, (name, block.moe_preset.experts_attr, pname)))
-            local = getattr(experts, pname).detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(ep)]
-            dist.all_gather(parts, local, group=group)
-            sd[key] = torch.cat(parts, dim=0)
+        local = getattr(experts, pname).detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(ep)]
+        dist.all_gather(parts, local, group=group)
+        sd[key] = torch.cat(parts, dim=0)
     return sd
+
+
+def _expert_entries(model):
+    """``(state-dict key, converted block, parameter name)`` of every expert parameter."""
+    for name, block in converted_blocks(model):
+        for pname in _expert_params(block.moe_layer.config):
+            key = ".".join(filter(None, (name, block.moe_preset.experts_attr, pname)))
+            yield key, block, pname
+
+
+def expert_parameter_names(model) -> set[str]:
+    """Names of the converted model's expert parameters (biases included): sharded over the
+    expert-parallel group, unlike the replicated rest (which data parallelism averages)."""
+    return {key for key, _, _ in _expert_entries(model)}

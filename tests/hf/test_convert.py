@@ -279,3 +279,14 @@ def test_checkpointing_enabled_before_convert(reentrant):
     for _, b in converted_blocks(conv):
         counters = b.moe_layer.exchange.counters
         assert (counters["layout"], counters["cached_dispatch"]) == (1, 1)
+
+
+def test_expert_parameter_names_cover_every_expert_parameter():
+    from moe_fn.hf import expert_parameter_names
+
+    _, conv = _pair("gpt_oss")
+    names = expert_parameter_names(conv)
+    params = dict(conv.named_parameters())
+    assert names <= params.keys()
+    want = {n for n in params if ".experts." in n}  # GPT-OSS's biases included
+    assert names == want and any(n.endswith("_bias") for n in names)

@@ -324,3 +324,17 @@ def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
     assert torch.equal(got_values.view(torch.int8), want.view(torch.int8))  # NaN, -0.0 too
 
 
+
+
+def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
+    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(6, 13, generator=g).to(torch.bfloat16)
+    values = torch.randn(6, 1, generator=g)
+    packed = pack_rows(rows, torch.arange(6), values, None, new_packed(rows, 6, values))
+    order = torch.tensor([5, 0, 0, 3])
+    _, got = unpack_rows(packed, values, order)
+    assert torch.equal(got, values[order])
+    _, none = unpack_rows(packed, values, order[:0])
+    assert none.shape == (0, 1)

@@ -177,27 +177,30 @@ def _value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows(rows, index, values, values_index, out):
-    """``out[i] = [rows[index[i]] | values[values_index[i]] | padding]``. With ``rows``
-    None only the values are written (the caller wrote the row part); with ``values_index``
-    None they are taken in order."""
-    if rows is not None:
-        kernels.gather_rows(rows, index, out=out[:, :rows.shape[1]])
-    if out.shape[0] == 0 or values.shape[0] == 0:  # (empty tensors may not view as bytes)
+    """``out[i] = [rows[index[i]] | values[values_index[i]] | padding]`` in one pass on
+    CUDA. With ``rows`` None only the values are written (the caller wrote the row part);
+    with ``values_index`` None they are taken in order."""
+    if out.shape[0] == 0:
         return out
-    raw = values.contiguous().view(torch.uint8)
-    _value_bytes(out, values).copy_(raw if values_index is None else raw.index_select(
-        0, values_index))
-    return out
+    if values.shape[0] == 0:  # (empty tensors may not view as bytes): rows only
+        if rows is not None:
+            kernels.gather_rows(rows, index, out=out[:, :rows.shape[1]])
+        return out
+    tail = (out.shape[1] - _slots(out, values)) * out.element_size()
+    return kernels.pack_rows(rows, index, values, values_index, out, tail)
 
 
-def unpack_rows(packed, values_like):
+def unpack_rows(packed, values_like, index=None):
     """``pack_rows`` undone: ``(row part, a row-strided view; the values (n, C))``, with
-    ``values_like`` the packed values' template (their dtype and width)."""
+    ``values_like`` the packed values' template (their dtype and width); given ``index``,
+    the values of rows ``index`` (one gather straight from the packed bytes)."""
     h = packed.shape[1] - _slots(packed, values_like)
-    if packed.shape[0] == 0:
-        return packed[:, :h], values_like.new_empty((0, values_like.shape[1]))
-    return packed[:, :h], _value_bytes(packed, values_like).contiguous().view(
-        values_like.dtype)
+    if packed.shape[0] == 0 or (index is not None and index.numel() == 0):
+        n = 0 if index is None else index.numel()
+        return packed[:, :h], values_like.new_empty((n, values_like.shape[1]))
+    raw = _value_bytes(packed, values_like)
+    raw = raw.contiguous() if index is None else raw.index_select(0, index)
+    return packed[:, :h], raw.view(values_like.dtype)
 
 
 def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):

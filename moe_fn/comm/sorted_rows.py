@@ -143,8 +143,8 @@ class SortedRowsExchange(Exchange):
                 work.wait()
             if weights is None:
                 return buf, order, None
-            src, w_src = unpack_rows(buf, w)
-            return src, order, w_src.reshape(-1).index_select(0, order)
+            src, w_src = unpack_rows(buf, w, order)
+            return src, order, w_src.reshape(-1)
         return finish
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:

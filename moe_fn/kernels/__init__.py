@@ -32,6 +32,7 @@ __all__ = [
     "gather_row_weight_bwd",
     "gather_sum_fwd",
     "masked_gather_sum",
+    "pack_rows",
     "layout",
     "layout_with_tokens",
     "weighted_gather_sum_bwd",
@@ -216,6 +217,23 @@ def gather_rows(src, index, *, out=None):
         return launch_gather_sum(src, index, 1, out=out)
     rows = src.index_select(0, index)
     return rows if out is None else out.copy_(rows)
+
+
+def pack_rows(rows, index, values, values_index, out, tail: int):
+    """Packed rows ``out (n, W)``: ``out[i, :H] = rows[index[i]]`` (unless ``rows`` is
+    None) and the raw bytes of ``values[values_index[i]]`` (``values[i]`` without an
+    index) at byte ``tail`` of row i. One Triton pass on CUDA in eager mode, else a gather
+    and a byte copy. Not an op: the exchanges that call it run eagerly."""
+    if use_triton(out) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_pack_rows
+
+        return launch_pack_rows(rows, index, values, values_index, out, tail)
+    if rows is not None:
+        gather_rows(rows, index, out=out[:, :rows.shape[1]])
+    raw = values.contiguous().view(torch.uint8)
+    out.view(torch.uint8)[:, tail:tail + raw.shape[1]].copy_(
+        raw if values_index is None else raw.index_select(0, values_index))
+    return out
 
 
 def masked_gather_sum(rows, table, weights=None, *, out=None):

@@ -13,10 +13,21 @@ import triton.language as tl
 _BLOCK_C = 1024
 
 
+def _vec(t: torch.Tensor, *strides: int) -> int:
+    """The widest vector (elements, at most 16 bytes) that every row start is a multiple
+    of. Triton assumes an int argument aligned only when it is a multiple of 16, so a
+    packed view's row stride (H + 8 bf16 elements) would cost the kernels their 16-byte
+    accesses; they take row strides in units of ``VEC`` and multiply back."""
+    v = max(1, 16 // t.element_size())
+    while v > 1 and any(s % v for s in strides):
+        v //= 2
+    return v
+
+
 @triton.jit
 def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
                        K: tl.constexpr, HAS_W: tl.constexpr, MASKED: tl.constexpr,
-                       W_BY_ROW: tl.constexpr, BLOCK_C: tl.constexpr):
+                       W_BY_ROW: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
@@ -28,7 +39,7 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
             # An absent entry masks its whole row: its column bound drops to 0.
             mj = cols < tl.where(r >= 0, H, 0)
             r = tl.maximum(r, 0)
-        v = tl.load(rows_ptr + r * s_r + cols, mask=mj, other=0.0).to(tl.float32)
+        v = tl.load(rows_ptr + r * (s_r * VEC) + cols, mask=mj, other=0.0).to(tl.float32)
         if HAS_W:
             if W_BY_ROW:  # a weight per gathered row
                 w = tl.load(w_ptr + r).to(tl.float32)
@@ -36,7 +47,7 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
                 w = tl.load(w_ptr + t * K + j).to(tl.float32)
             v = v * w
         acc += v
-    tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + t * (s_o * VEC) + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _output(out, t: int, h: int, rows: torch.Tensor) -> torch.Tensor:
@@ -63,9 +74,10 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     block = min(_BLOCK_C, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block))
     w = index if weights is None else weights.contiguous()
-    _gather_sum_kernel[grid](rows, index.contiguous(), w, out, h, rows.stride(0),
-                             out.stride(0), K=top_k, HAS_W=weights is not None, MASKED=False,
-                             W_BY_ROW=False, BLOCK_C=block,
+    vec = _vec(rows, rows.stride(0), out.stride(0))
+    _gather_sum_kernel[grid](rows, index.contiguous(), w, out, h, rows.stride(0) // vec,
+                             out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
+                             MASKED=False, W_BY_ROW=False, BLOCK_C=block, VEC=vec,
                              num_warps=4 if block >= 512 else 2)
     return out
 
@@ -84,10 +96,11 @@ def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
         return out.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))
     w = table if weights is None else weights.contiguous()
+    vec = _vec(rows, rows.stride(0), out.stride(0))
     _gather_sum_kernel[(r, triton.cdiv(h, block))](
-        rows, table.contiguous(), w, out, h, rows.stride(0), out.stride(0), K=k,
-        HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
-        num_warps=4 if block >= 512 else 2)
+        rows, table.contiguous(), w, out, h, rows.stride(0) // vec, out.stride(0) // vec,
+        K=k, HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
+        VEC=vec, num_warps=4 if block >= 512 else 2)
     return out
 
 
@@ -109,15 +122,17 @@ def _scale_and_dot(d_row, y_row, dst_row, w, H, BLOCK_C: tl.constexpr):
 @triton.jit
 def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, lo_ptr,
                                     hi_ptr, dw_ptr, H, split, s_d, s_r, s_lo, s_hi,
-                                    K: tl.constexpr, BLOCK_C: tl.constexpr):
+                                    K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                    VEC: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     r = tl.load(pos_to_row_ptr + p).to(tl.int64)
     t = r // K
     w = tl.load(w_ptr + r).to(tl.float32)
     # Positions below ``split`` go to one buffer (the rows to send), the rest to another
     # (own rows, written straight into the receive buffer's tail): no copy afterwards.
-    dst = tl.where(p < split, lo_ptr + p * s_lo, hi_ptr + (p - split) * s_hi)
-    dot = _scale_and_dot(d_out_ptr + t * s_d, rows_ptr + p * s_r, dst, w, H, BLOCK_C)
+    dst = tl.where(p < split, lo_ptr + p * (s_lo * VEC), hi_ptr + (p - split) * (s_hi * VEC))
+    dot = _scale_and_dot(d_out_ptr + t * (s_d * VEC), rows_ptr + p * (s_r * VEC), dst, w, H,
+                         BLOCK_C)
     tl.store(dw_ptr + r, dot.to(dw_ptr.dtype.element_ty))
 
 
@@ -141,21 +156,23 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
     # Dummy pointers for an empty side; never dereferenced (no position maps there).
     lo_arg = lo if split else rows
     hi_arg = hi if p - split else rows
+    strides = (d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0))
+    vec = _vec(rows, *strides)
     _weighted_gather_sum_bwd_kernel[(p,)](
         d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg, d_w, h,
-        split, d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0),
-        K=top_k, BLOCK_C=block, num_warps=4 if block >= 512 else 2)
+        split, *(s // vec for s in strides), K=top_k, BLOCK_C=block, VEC=vec,
+        num_warps=4 if block >= 512 else 2)
     return lo, hi, d_w
 
 
 @triton.jit
 def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, rows_ptr, w_ptr, out_ptr, dw_ptr, H,
-                                  s_s, s_r, s_o, BLOCK_C: tl.constexpr):
+                                  s_s, s_r, s_o, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     j = tl.load(index_ptr + i).to(tl.int64)
     w = tl.load(w_ptr + i).to(tl.float32)
-    dot = _scale_and_dot(src_ptr + j * s_s, rows_ptr + i * s_r, out_ptr + i * s_o, w, H,
-                         BLOCK_C)
+    dot = _scale_and_dot(src_ptr + j * (s_s * VEC), rows_ptr + i * (s_r * VEC),
+                         out_ptr + i * (s_o * VEC), w, H, BLOCK_C)
     tl.store(dw_ptr + i, dot.to(dw_ptr.dtype.element_ty))
 
 
@@ -173,8 +190,63 @@ def launch_gather_row_weight_bwd(src, index, rows, weights):
     if h == 0:
         return out, d_w.zero_()
     block = min(_BLOCK_C, triton.next_power_of_2(h))
+    strides = (src.stride(0), rows.stride(0), out.stride(0))
+    vec = _vec(rows, *strides)
     _gather_row_weight_bwd_kernel[(n,)](src, index.contiguous(), rows, weights.contiguous(),
-                                        out, d_w, h, src.stride(0), rows.stride(0),
-                                        out.stride(0), BLOCK_C=block,
+                                        out, d_w, h, *(s // vec for s in strides),
+                                        BLOCK_C=block, VEC=vec,
                                         num_warps=4 if block >= 512 else 2)
     return out, d_w
+
+
+@triton.jit
+def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_bytes_ptr, H,
+                      s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_VIDX: tl.constexpr,
+                      VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr,
+                      BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        r = tl.load(index_ptr + i).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = cols < H
+        v = tl.load(rows_ptr + r * (s_r * VEC) + cols, mask=m)
+        tl.store(out_ptr + i * (s_o * VEC) + cols, v, mask=m)
+    if tl.program_id(1) == 0:
+        j = i
+        if HAS_VIDX:
+            j = tl.load(vidx_ptr + i).to(tl.int64)
+        b = tl.arange(0, VB_P)
+        mb = b < VB
+        raw = tl.load(vals_ptr + j * VB + b, mask=mb)
+        tl.store(out_bytes_ptr + i * (s_o * VEC * ES) + tail + b, raw, mask=mb)
+
+
+def launch_pack_rows(rows, index, values, values_index, out, tail: int):
+    """One pass over packed rows ``out (n, W)`` (rows contiguous, W wider than the rows):
+    ``out[i, :H] = rows[index[i]]`` (unless ``rows`` is None) and row i's bytes
+    ``[tail, tail + values' row bytes)`` = ``values[values_index[i]]`` (``values[i]`` when
+    ``values_index`` is None), copied as raw bytes."""
+    n = out.shape[0]
+    if out.stride(-1) != 1 or (n > 1 and out.stride(0) != out.shape[1]):
+        raise ValueError(f"out must hold whole packed rows, got strides {out.stride()}")
+    vals = values.contiguous().view(torch.uint8)
+    vb = vals.shape[1]
+    if tail < 0 or tail + vb > out.shape[1] * out.element_size():
+        raise ValueError(f"the values' {vb} bytes at {tail} do not fit a packed row of "
+                         f"{out.shape[1] * out.element_size()} bytes")
+    if n == 0:
+        return out
+    h = 0 if rows is None else rows.shape[1]
+    if rows is not None and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    block = min(_BLOCK_C, triton.next_power_of_2(max(h, 1)))
+    src = out if rows is None else rows
+    vec = _vec(out, src.stride(0), out.stride(0))
+    _pack_rows_kernel[(n, triton.cdiv(h, block) if h else 1)](
+        src, index if rows is not None else vals, vals,
+        vals if values_index is None else values_index.contiguous(), out,
+        out.view(torch.uint8), h, src.stride(0) // vec, out.stride(0) // vec, tail,
+        HAS_ROWS=rows is not None, HAS_VIDX=values_index is not None, VB=vb,
+        VB_P=triton.next_power_of_2(vb), ES=out.element_size(), BLOCK_C=block, VEC=vec,
+        num_warps=4 if block >= 512 else 2)
+    return out

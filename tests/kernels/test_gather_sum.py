@@ -251,3 +251,76 @@ def test_masked_gather_sum_writes_into_a_row_strided_view():
     want = masked_gather_sum(rows.cpu(), table.cpu())
     torch.testing.assert_close(wide[:, :19].cpu(), want)
     assert (wide[:, 19:] == 3).all()
+
+
+@pytest.mark.parametrize("rows_dtype,values_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("with_rows", [True, False])
+@pytest.mark.parametrize("with_index", [True, False])
+def test_pack_rows_kernel_matches_the_gather_and_byte_copy(rows_dtype, values_dtype,
+                                                           with_rows, with_index):
+    """The one-pass packing writes exactly what a gather and a byte copy write (NaN and
+    -0.0 values bit for bit), and nothing outside each row's row part and value bytes."""
+    from moe_fn.comm.base import _slots
+    from moe_fn.kernels import pack_rows
+
+    g = torch.Generator().manual_seed(5)
+    h = 24  # with 8 bf16 slots a row is 32 elements: the kernel's 16-byte vector path
+    rows = torch.randn(9, h, generator=g).to(rows_dtype)
+    values = torch.randn(11 if with_index else 6, 2, generator=g).to(values_dtype)
+    values[0, 0] = float("nan")
+    values[1, 1] = -0.0
+    index = torch.tensor([4, 0, 8, 8, 2, 7])
+    v_index = torch.tensor([10, 1, 0, 5, 5, 3]) if with_index else None
+    width = h + _slots(rows, values)
+    tail = h * rows.element_size()
+    want = torch.full((6, width), 5.0, dtype=rows_dtype)
+    pack_rows(rows if with_rows else None, index, values, v_index, want, tail)  # CPU path
+    got = torch.full((6, width), 5.0, dtype=rows_dtype, device=DEV)
+    gs.launch_pack_rows(rows.to(DEV) if with_rows else None, index.to(DEV), values.to(DEV),
+                        None if v_index is None else v_index.to(DEV), got, tail)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    if with_rows:
+        assert torch.equal(want[:, :h], rows[index])
+    else:
+        assert (want[:, :h] == 5).all()
+    vb = values.shape[1] * values.element_size()
+    picked = values if v_index is None else values[v_index]
+    assert torch.equal(want.view(torch.uint8)[:, tail:tail + vb], picked.view(torch.uint8))
+
+
+def test_pack_rows_kernel_rejects_what_does_not_fit():
+    rows = torch.randn(3, 8, device=DEV)
+    out = torch.empty(2, 12, device=DEV)
+    values = torch.randn(2, 3, device=DEV)
+    with pytest.raises(ValueError, match="do not fit"):
+        gs.launch_pack_rows(rows, torch.tensor([0, 1], device=DEV), values, None, out, 40)
+    with pytest.raises(ValueError, match="whole packed rows"):
+        gs.launch_pack_rows(rows, torch.tensor([0, 1], device=DEV), values, None,
+                            torch.empty(2, 24, device=DEV)[:, :12], 32)
+
+
+@pytest.mark.parametrize("width", [40, 36, 37])
+def test_kernels_read_and_write_rows_at_every_stride_alignment(width):
+    """Row strides in units of the widest vector they allow (8, 4 and 1 bf16 elements):
+    the gather, the masked gather-sum and both weighting backwards stay exact."""
+    g = torch.Generator().manual_seed(6)
+    h = 24
+    wide = torch.randn(10, width, generator=g).to(torch.bfloat16).to(DEV)
+    src = wide[:, :h]
+    index = torch.tensor([9, 0, 3, 3, 5, 1, 7, 2], device=DEV)
+    dst = torch.zeros(8, width, dtype=torch.bfloat16, device=DEV)
+    gs.launch_gather_sum(src, index, 1, out=dst[:, :h])
+    assert torch.equal(dst[:, :h].cpu(), src.cpu()[index.cpu()])
+    table = torch.tensor([[0, -1], [5, 2], [-1, 9]], device=DEV)
+    w = torch.rand(10, generator=g).to(DEV)
+    got = gs.launch_masked_gather_sum(src, table, w, out=dst[:3, :h])
+    torch.testing.assert_close(got.cpu().float(), masked_gather_sum(
+        src.cpu().float(), table.cpu(), w.cpu()), rtol=1e-2, atol=1e-2)
+    rw = torch.rand(8, generator=g).to(DEV)
+    d_rows, d_w = gs.launch_gather_row_weight_bwd(src, index, dst[:, :h], rw)
+    want_rows, want_w = row_weight_bwd(RowWeightRes(dst[:, :h].cpu().float(), rw.cpu()),
+                                       src.cpu().float()[index.cpu()])
+    torch.testing.assert_close(d_rows.cpu().float(), want_rows, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(d_w.cpu(), want_w.to(d_w.dtype), rtol=1e-3, atol=1e-3)

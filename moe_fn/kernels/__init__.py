@@ -212,9 +212,9 @@ def gather_rows(src, index, *, out=None):
     everything elsewhere. Not an op: the exchanges that call it run eagerly."""
     strided = out is not None or not src.is_contiguous()
     if strided and use_triton(src) and not torch.compiler.is_compiling():
-        from .gather_sum import launch_gather_sum
+        from .gather_sum import launch_gather_rows
 
-        return launch_gather_sum(src, index, 1, out=out)
+        return launch_gather_rows(src, index, out)
     rows = src.index_select(0, index)
     return rows if out is None else out.copy_(rows)
 

@@ -200,28 +200,51 @@ def launch_gather_row_weight_bwd(src, index, rows, weights):
 
 
 @triton.jit
-def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_bytes_ptr, H,
-                      s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_VIDX: tl.constexpr,
-                      VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr,
-                      BLOCK_C: tl.constexpr, VEC: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
-    if HAS_ROWS:
-        r = tl.load(index_ptr + i).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m = cols < H
-        v = tl.load(rows_ptr + r * (s_r * VEC) + cols, mask=m)
-        tl.store(out_ptr + i * (s_o * VEC) + cols, v, mask=m)
-    if tl.program_id(1) == 0:
+def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_bytes_ptr, N, H,
+                      s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_VALS: tl.constexpr,
+                      HAS_VIDX: tl.constexpr, VB: tl.constexpr, VB_P: tl.constexpr,
+                      ES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                      VEC: tl.constexpr):
+    # ROWS rows per program: one program per row spends more time waiting on its index
+    # than moving a 4 KB row.
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mi = i < N
+    if HAS_VALS:  # loaded first: their latency then overlaps the rows' copy
         j = i
         if HAS_VIDX:
-            j = tl.load(vidx_ptr + i).to(tl.int64)
+            j = tl.load(vidx_ptr + i, mask=mi, other=0).to(tl.int64)
         b = tl.arange(0, VB_P)
-        mb = b < VB
-        raw = tl.load(vals_ptr + j * VB + b, mask=mb)
-        tl.store(out_bytes_ptr + i * (s_o * VEC * ES) + tail + b, raw, mask=mb)
+        mb = mi[:, None] & (b < VB)[None, :]
+        raw = tl.load(vals_ptr + j[:, None] * VB + b[None, :], mask=mb)
+    if HAS_ROWS:
+        r = tl.load(index_ptr + i, mask=mi, other=0).to(tl.int64)
+        src = rows_ptr + r[:, None] * (s_r * VEC)
+        dst = out_ptr + i[:, None] * (s_o * VEC)
+        for c0 in range(0, H, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            m = mi[:, None] & (cols < H)[None, :]
+            tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+    if HAS_VALS:
+        tl.store(out_bytes_ptr + i[:, None] * (s_o * VEC * ES) + tail + b[None, :], raw,
+                 mask=mb)
 
 
-def launch_pack_rows(rows, index, values, values_index, out, tail: int):
+# Rows per program and columns per step of the packing/gather kernel (the device bench
+# sweeps them: bench/gpu_gather.py).
+PACK_ROWS, PACK_BLOCK_C, PACK_WARPS = 4, 1024, 8
+
+
+def launch_gather_rows(src, index, out=None, *, rows_per_program=None, block_c=None,
+                       num_warps=None):
+    """``out[i] = src[index[i]]``; ``src`` and ``out`` may be row-strided views."""
+    src = src if src.stride(-1) == 1 else src.contiguous()
+    out = _output(out, index.numel(), src.shape[1], src)
+    return _launch_pack(src, index, None, None, out, 0, rows_per_program, block_c,
+                        num_warps)
+
+
+def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
+                     rows_per_program=None, block_c=None, num_warps=None):
     """One pass over packed rows ``out (n, W)`` (rows contiguous, W wider than the rows):
     ``out[i, :H] = rows[index[i]]`` (unless ``rows`` is None) and row i's bytes
     ``[tail, tail + values' row bytes)`` = ``values[values_index[i]]`` (``values[i]`` when
@@ -230,23 +253,33 @@ def launch_pack_rows(rows, index, values, values_index, out, tail: int):
     if out.stride(-1) != 1 or (n > 1 and out.stride(0) != out.shape[1]):
         raise ValueError(f"out must hold whole packed rows, got strides {out.stride()}")
     vals = values.contiguous().view(torch.uint8)
-    vb = vals.shape[1]
-    if tail < 0 or tail + vb > out.shape[1] * out.element_size():
-        raise ValueError(f"the values' {vb} bytes at {tail} do not fit a packed row of "
-                         f"{out.shape[1] * out.element_size()} bytes")
+    if tail < 0 or tail + vals.shape[1] > out.shape[1] * out.element_size():
+        raise ValueError(f"the values' {vals.shape[1]} bytes at {tail} do not fit a packed "
+                         f"row of {out.shape[1] * out.element_size()} bytes")
+    if rows is not None and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program,
+                        block_c, num_warps)
+
+
+def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, block_c,
+                 num_warps):
+    n = out.shape[0]
     if n == 0:
         return out
     h = 0 if rows is None else rows.shape[1]
-    if rows is not None and rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    block = min(_BLOCK_C, triton.next_power_of_2(max(h, 1)))
+    per = rows_per_program or PACK_ROWS
+    block = min(block_c or PACK_BLOCK_C, triton.next_power_of_2(max(h, 1)))
     src = out if rows is None else rows
     vec = _vec(out, src.stride(0), out.stride(0))
-    _pack_rows_kernel[(n, triton.cdiv(h, block) if h else 1)](
-        src, index if rows is not None else vals, vals,
-        vals if values_index is None else values_index.contiguous(), out,
-        out.view(torch.uint8), h, src.stride(0) // vec, out.stride(0) // vec, tail,
-        HAS_ROWS=rows is not None, HAS_VIDX=values_index is not None, VB=vb,
-        VB_P=triton.next_power_of_2(vb), ES=out.element_size(), BLOCK_C=block, VEC=vec,
-        num_warps=4 if block >= 512 else 2)
+    vb = 0 if vals is None else vals.shape[1]
+    dummy = out
+    _pack_rows_kernel[(triton.cdiv(n, per),)](
+        src, dummy if rows is None else index, dummy if vals is None else vals,
+        dummy if values_index is None else values_index.contiguous(), out,
+        out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
+        out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_VALS=vals is not None,
+        HAS_VIDX=values_index is not None, VB=vb, VB_P=triton.next_power_of_2(max(vb, 1)),
+        ES=out.element_size(), ROWS=per, BLOCK_C=block, VEC=vec,
+        num_warps=num_warps or PACK_WARPS)
     return out

@@ -277,10 +277,12 @@ def test_pack_rows_kernel_matches_the_gather_and_byte_copy(rows_dtype, values_dt
     tail = h * rows.element_size()
     want = torch.full((6, width), 5.0, dtype=rows_dtype)
     pack_rows(rows if with_rows else None, index, values, v_index, want, tail)  # CPU path
-    got = torch.full((6, width), 5.0, dtype=rows_dtype, device=DEV)
-    gs.launch_pack_rows(rows.to(DEV) if with_rows else None, index.to(DEV), values.to(DEV),
-                        None if v_index is None else v_index.to(DEV), got, tail)
-    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    for per, block in ((4, 1024), (1, 8), (8, 16)):  # row tails, column steps and masks
+        got = torch.full((6, width), 5.0, dtype=rows_dtype, device=DEV)
+        gs.launch_pack_rows(rows.to(DEV) if with_rows else None, index.to(DEV),
+                            values.to(DEV), None if v_index is None else v_index.to(DEV), got,
+                            tail, rows_per_program=per, block_c=block)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
     if with_rows:
         assert torch.equal(want[:, :h], rows[index])
     else:
@@ -310,7 +312,12 @@ def test_kernels_read_and_write_rows_at_every_stride_alignment(width):
     wide = torch.randn(10, width, generator=g).to(torch.bfloat16).to(DEV)
     src = wide[:, :h]
     index = torch.tensor([9, 0, 3, 3, 5, 1, 7, 2], device=DEV)
-    dst = torch.zeros(8, width, dtype=torch.bfloat16, device=DEV)
+    for per, block in ((4, 1024), (2, 16), (8, 8)):
+        dst = torch.zeros(8, width, dtype=torch.bfloat16, device=DEV)
+        gs.launch_gather_rows(src, index[:7], dst[:7, :h], rows_per_program=per,
+                              block_c=block)
+        assert torch.equal(dst[:7, :h].cpu(), src.cpu()[index[:7].cpu()])
+        assert (dst[7] == 0).all() and (dst[:, h:] == 0).all()
     gs.launch_gather_sum(src, index, 1, out=dst[:, :h])
     assert torch.equal(dst[:, :h].cpu(), src.cpu()[index.cpu()])
     table = torch.tensor([[0, -1], [5, 2], [-1, 9]], device=DEV)

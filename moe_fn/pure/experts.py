@@ -74,16 +74,20 @@ def expert_of_row(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offs, rows, right=True)
 
 
-def _row_bias_sum(eid, num_experts: int, *d_rows, layout_id: int = 0):
-    """``(E, D)``: the rows of ``d_rows (N, D)`` summed per expert (index_add; float32
+def _row_bias_sum(offs, *d_rows, layout_id: int = 0):
+    """``(E, D)``: the expert-sorted rows of ``d_rows (N, D)`` summed per expert (segment
+    sums over the ``offs`` boundaries: no atomics, so the same order every run; float32
     accumulation for half types), in their dtype. Two ``(N, I)`` tensors (gate, up) are
     summed into the halves of one ``(E, 2I)`` in the packing ``layout_id``."""
     first = d_rows[0]
-    width = sum(d.shape[1] for d in d_rows)
-    acc = torch.zeros(num_experts, width, dtype=compute_dtype(first.dtype), device=first.device)
-    parts = split_packed(acc, layout_id) if len(d_rows) == 2 else (acc,)
-    for part, d in zip(parts, d_rows):
-        part.index_add_(0, eid, d.to(acc.dtype))
+    lengths = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+    sums = [torch.segment_reduce(d.to(compute_dtype(first.dtype)), "sum", lengths=lengths)
+            for d in d_rows]
+    if len(sums) == 1:
+        return sums[0].to(first.dtype)
+    acc = sums[0].new_empty(offs.shape[0], sum(d.shape[1] for d in d_rows))
+    for part, total in zip(split_packed(acc, layout_id), sums):
+        part.copy_(total)
     return acc.to(first.dtype)
 
 
@@ -168,13 +172,11 @@ def experts_bwd_weight(work: ExpertsWgradWork, *, needs=(True, True, True, True)
     need_gub = needs[2] and work.has_gate_up_bias
     need_db = needs[3] and work.has_down_bias
     if need_gub or need_db:
-        e, n = work.offs.shape[0], work.x.shape[0]
-        eid = expert_of_row(work.offs, n)
         if need_gub:
             d_rows = (work.d_gate_up,) if work.fused else (work.d_gate, work.d_up)
-            d_gub = _row_bias_sum(eid, e, *d_rows, layout_id=work.layout_id)
+            d_gub = _row_bias_sum(work.offs, *d_rows, layout_id=work.layout_id)
         if need_db:
-            d_db = _row_bias_sum(eid, e, work.dy)
+            d_db = _row_bias_sum(work.offs, work.dy)
     return d_gup, d_down, d_gub, d_db
 
 

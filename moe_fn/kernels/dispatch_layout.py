@@ -1,6 +1,7 @@
 """Triton kernels of the dispatch layout (``moe_fn.pure.dispatch.layout`` is the contract):
 the per-expert counts, their int32 cumulative ends and a stable sort of the flattened
-``(token, k)`` rows by expert, with its inverse, in three launches instead of ~13 ops.
+``(token, k)`` rows by expert, with its inverse, in two or three launches instead of ~13
+ops.
 
 The rows are cut into chunks of ``CHUNK``. Chunk ``c``'s rows of expert ``e`` land, in row
 order, at the sorted positions ``start[e] + sum_{c' < c} hist[c', e] + (0, 1, ...)``, where
@@ -12,7 +13,9 @@ experts, so sorted slot ``j`` goes to ``delta[c, e] + j`` with
 
 1. ``_hist_kernel`` (a program per chunk): ``hist[c, :]``.
 2. ``_scan_kernel`` (a program per block of experts): in place, ``hist`` becomes its
-   exclusive prefix sum over chunks; the column totals are ``counts``.
+   exclusive prefix sum over chunks; the column totals are ``counts``. For a small table
+   (training shapes up to 64K rows at E = 128) this launch is skipped and every scatter
+   program sums the table itself.
 3. ``_scatter_kernel`` (a program per chunk): ``start`` from ``counts`` and ``local`` from
    the chunk's own histogram (both in registers; program 0 also writes ``offs``), sort the
    keys, write ``perm``, ``inv_perm`` and ``token_of_sorted`` (``perm // k``, which the
@@ -38,6 +41,9 @@ CHUNK = 512
 # entries a step of its loop over the chunks.
 _SCAN_BLOCK_E = 32
 _SCAN_TILE = 4096
+# Largest (chunks x experts) table every scatter program sums itself (64 KB of int32):
+# 64K rows at 128 experts, or 8K rows at 1024.
+_FUSED_SCAN_MAX = 16384
 
 
 @triton.jit
@@ -74,8 +80,27 @@ def _scan_kernel(hist_ptr, counts_ptr, C, E, BLOCK_E: tl.constexpr, BLOCK_C: tl.
 
 @triton.jit
 def _scatter_kernel(idx_ptr, before_ptr, counts_ptr, offs_ptr, perm_ptr, inv_ptr, tok_ptr,
-                    N, E, K, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                    N, E, K, C, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    SCAN: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.program_id(0)
+    bins = tl.arange(0, E_PAD)
+    bm = bins < E
+    if SCAN:
+        # The scan done here, from the unscanned histograms: each program sums the whole
+        # (C, E) table (small: the launcher picks this only then), program 0 writes counts.
+        cnt = tl.zeros((E_PAD,), dtype=tl.int32)
+        before = tl.zeros((E_PAD,), dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            cs = c0 + tl.arange(0, BLOCK_C)
+            hc = tl.load(before_ptr + cs[:, None] * E + bins[None, :],
+                         mask=(cs < C)[:, None] & bm[None, :], other=0)
+            cnt += tl.sum(hc, axis=0)
+            before += tl.sum(tl.where((cs < c)[:, None], hc, 0), axis=0)
+        if c == 0:
+            tl.store(counts_ptr + bins, cnt.to(tl.int64), mask=bm)
+    else:
+        cnt = tl.load(counts_ptr + bins, mask=bm, other=0).to(tl.int32)
+        before = tl.load(before_ptr + c * E + bins, mask=bm, other=0)
     i = tl.arange(0, CHUNK)
     rows = c * CHUNK + i
     m = rows < N
@@ -89,14 +114,10 @@ def _scatter_kernel(idx_ptr, before_ptr, counts_ptr, offs_ptr, perm_ptr, inv_ptr
     sm = se < E
     # Per expert: delta = start + (rows in earlier chunks) - local, where local counts this
     # chunk's rows of smaller experts (its histogram again: cheaper than storing it).
-    bins = tl.arange(0, E_PAD)
-    bm = bins < E
-    cnt = tl.load(counts_ptr + bins, mask=bm, other=0).to(tl.int32)
     ends = tl.cumsum(cnt, axis=0)
     if c == 0:
         tl.store(offs_ptr + bins, ends, mask=bm)
     h = tl.histogram(tl.where(m, e, 0), E_PAD, mask=m)
-    before = tl.load(before_ptr + c * E + bins, mask=bm, other=0)
     delta = ends - cnt + before - (tl.cumsum(h, axis=0) - h)
     pos = (tl.gather(delta, tl.where(sm, se, 0), 0) + i).to(tl.int64)
     tl.store(perm_ptr + pos, row, mask=sm)
@@ -104,10 +125,13 @@ def _scatter_kernel(idx_ptr, before_ptr, counts_ptr, offs_ptr, perm_ptr, inv_ptr
     tl.store(tok_ptr + pos, row // K, mask=sm)
 
 
-def launch_layout(topk_idx: torch.Tensor, num_experts: int, *, chunk: int | None = None):
+def launch_layout(topk_idx: torch.Tensor, num_experts: int, *, chunk: int | None = None,
+                  fuse_scan: bool | None = None):
     """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``); no argument
     checks. Returns ``(counts, offs, perm, inv_perm, token_of_sorted)``. ``chunk`` (a power
-    of two) overrides the chunk size; tests use small ones to cross chunk edges cheaply."""
+    of two) overrides the chunk size; tests use small ones to cross chunk edges cheaply.
+    ``fuse_scan`` forces the two-launch (True) or three-launch (False) form; by default
+    two launches while the (chunks, experts) table has at most ``_FUSED_SCAN_MAX`` entries."""
     dev = topk_idx.device
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
@@ -130,10 +154,18 @@ def launch_layout(topk_idx: torch.Tensor, num_experts: int, *, chunk: int | None
     offs = torch.empty(e, dtype=torch.int32, device=dev)
     warps = 4 if chunk >= 256 else 2
     _hist_kernel[(c,)](flat, table, n, e, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
-    block_e = min(e_pad, _SCAN_BLOCK_E)
-    block_c = min(triton.next_power_of_2(c), max(1, _SCAN_TILE // block_e))
-    _scan_kernel[(triton.cdiv(e, block_e),)](table, counts, c, e, BLOCK_E=block_e,
-                                             BLOCK_C=block_c, num_warps=4)
-    _scatter_kernel[(c,)](flat, table, counts, offs, perm, inv_perm, tok, n, e, k,
-                          E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
+    # A small table is summed by every scatter program instead of scanned in a launch of
+    # its own: a launch costs the host tens of microseconds, reading the table costs the
+    # GPU less while it stays small.
+    fused_scan = c * e <= _FUSED_SCAN_MAX if fuse_scan is None else fuse_scan
+    if fused_scan:
+        block_c = min(triton.next_power_of_2(c), max(1, _SCAN_TILE // e_pad))
+    else:
+        block_e = min(e_pad, _SCAN_BLOCK_E)
+        block_c = min(triton.next_power_of_2(c), max(1, _SCAN_TILE // block_e))
+        _scan_kernel[(triton.cdiv(e, block_e),)](table, counts, c, e, BLOCK_E=block_e,
+                                                 BLOCK_C=block_c, num_warps=4)
+    _scatter_kernel[(c,)](flat, table, counts, offs, perm, inv_perm, tok, n, e, k, c,
+                          E_PAD=e_pad, CHUNK=chunk, SCAN=fused_scan, BLOCK_C=block_c,
+                          num_warps=warps)
     return counts, offs, perm, inv_perm, tok

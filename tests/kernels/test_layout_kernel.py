@@ -17,15 +17,18 @@ IDX_DTYPES = [torch.int32, torch.int64]
 
 
 def assert_layout(topk_idx, num_experts, chunk=None):
-    got = launch_layout(topk_idx.to(DEV), num_experts, chunk=chunk)
+    """Both forms (the scan in a launch of its own, or summed by each scatter program) equal
+    the pure layout bit for bit."""
     ref = layout(topk_idx, num_experts)
-    assert len(got) == 5
-    for name, g, r in zip(("counts", "offs", "perm", "inv_perm"), got, ref):
-        assert g.dtype == r.dtype, name
-        assert torch.equal(g.cpu(), r), name
-    tok = got[4].cpu()
-    assert tok.dtype == torch.int64
-    assert torch.equal(tok, torch.div(ref[2], topk_idx.shape[1], rounding_mode="floor"))
+    for fuse_scan in (False, True):
+        got = launch_layout(topk_idx.to(DEV), num_experts, chunk=chunk, fuse_scan=fuse_scan)
+        assert len(got) == 5
+        for name, g, r in zip(("counts", "offs", "perm", "inv_perm"), got, ref):
+            assert g.dtype == r.dtype, (name, fuse_scan)
+            assert torch.equal(g.cpu(), r), (name, fuse_scan)
+        tok = got[4].cpu()
+        assert tok.dtype == torch.int64
+        assert torch.equal(tok, torch.div(ref[2], topk_idx.shape[1], rounding_mode="floor"))
 
 
 def _rand(t, k, e, dtype, seed):
@@ -138,3 +141,30 @@ def test_wrapper_runs_kernel_on_cuda():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(kernels.layout(idx.cuda(), 60), ref))
     with pytest.raises(ValueError, match="num_experts"):
         kernels.layout(idx.cuda(), 0)
+
+
+def test_the_scan_is_fused_only_while_the_table_is_small(monkeypatch):
+    """The launcher's default: two launches for a small (chunks x experts) table, three
+    for a large one; counted by replacing the scan kernel's launch."""
+    import moe_fn.kernels.dispatch_layout as dl
+
+    scans = []
+
+    class Probe:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                scans.append(grid)
+                return dl._scan_kernel_real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(dl, "_scan_kernel_real", dl._scan_kernel, raising=False)
+    monkeypatch.setattr(dl, "_scan_kernel", Probe())
+    idx = _rand(40, 2, 6, torch.int64, seed=1)  # 5 chunks of 16 x 6 experts: 30 entries
+    monkeypatch.setattr(dl, "_FUSED_SCAN_MAX", 30)
+    assert_layout(idx, 6, chunk=16)  # (forces both forms: one scan launch)
+    assert len(scans) == 1
+    dl.launch_layout(idx.to(DEV), 6, chunk=16)
+    assert len(scans) == 1  # 30 entries: fused
+    monkeypatch.setattr(dl, "_FUSED_SCAN_MAX", 29)
+    dl.launch_layout(idx.to(DEV), 6, chunk=16)
+    assert len(scans) == 2  # 30 > 29: a scan launch

@@ -338,3 +338,12 @@ def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
     assert torch.equal(got, values[order])
     _, none = unpack_rows(packed, values, order[:0])
     assert none.shape == (0, 1)
+
+
+def test_unpacking_values_of_rows_that_are_not_there_raises():
+    from moe_fn.comm.base import new_packed, unpack_rows
+
+    values = torch.zeros(0, 1)
+    packed = new_packed(torch.zeros(0, 13, dtype=torch.bfloat16), 0, values)
+    with pytest.raises((IndexError, RuntimeError)):
+        unpack_rows(packed, values, torch.tensor([0]))

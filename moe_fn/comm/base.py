@@ -195,9 +195,8 @@ def unpack_rows(packed, values_like, index=None):
     ``values_like`` the packed values' template (their dtype and width); given ``index``,
     the values of rows ``index`` (one gather straight from the packed bytes)."""
     h = packed.shape[1] - _slots(packed, values_like)
-    if packed.shape[0] == 0 or (index is not None and index.numel() == 0):
-        n = 0 if index is None else index.numel()
-        return packed[:, :h], values_like.new_empty((n, values_like.shape[1]))
+    if (packed.shape[0] if index is None else index.numel()) == 0:
+        return packed[:, :h], values_like.new_empty((0, values_like.shape[1]))
     raw = _value_bytes(packed, values_like)
     raw = raw.contiguous() if index is None else raw.index_select(0, index)
     return packed[:, :h], raw.view(values_like.dtype)

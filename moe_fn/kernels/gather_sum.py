@@ -14,10 +14,11 @@ _BLOCK_C = 1024
 
 
 def _vec(t: torch.Tensor, *strides: int) -> int:
-    """The widest vector (elements, at most 16 bytes) that every row start is a multiple
-    of. Triton assumes an int argument aligned only when it is a multiple of 16, so a
-    packed view's row stride (H + 8 bf16 elements) would cost the kernels their 16-byte
-    accesses; they take row strides in units of ``VEC`` and multiply back."""
+    """The widest power of two (elements of ``t``, at most 16 bytes) dividing every row
+    stride. Triton assumes an int argument aligned only when it is a multiple of 16 (base
+    pointers it checks itself), so a packed view's row stride (H + 8 bf16 elements) would
+    hide the rows' alignment; the kernels take row strides in units of ``VEC`` and multiply
+    back."""
     v = max(1, 16 // t.element_size())
     while v > 1 and any(s % v for s in strides):
         v //= 2
@@ -256,8 +257,12 @@ def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
     if tail < 0 or tail + vals.shape[1] > out.shape[1] * out.element_size():
         raise ValueError(f"the values' {vals.shape[1]} bytes at {tail} do not fit a packed "
                          f"row of {out.shape[1] * out.element_size()} bytes")
-    if rows is not None and rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    if rows is not None:
+        if rows.dtype != out.dtype or rows.shape[1] * out.element_size() > tail:
+            raise ValueError(f"rows ({rows.dtype}, {rows.shape[1]} wide) must be of out's "
+                             f"dtype {out.dtype} and end before the values at byte {tail}")
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
     return _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program,
                         block_c, num_warps)
 
@@ -275,7 +280,7 @@ def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, b
     vb = 0 if vals is None else vals.shape[1]
     dummy = out
     _pack_rows_kernel[(triton.cdiv(n, per),)](
-        src, dummy if rows is None else index, dummy if vals is None else vals,
+        src, dummy if rows is None else index.contiguous(), dummy if vals is None else vals,
         dummy if values_index is None else values_index.contiguous(), out,
         out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
         out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_VALS=vals is not None,

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import activations as _pure_act
-from .activations import SwigluPackedRes, SwigluRes, compute_dtype, split_packed
+from .activations import SwigluPackedRes, SwigluRes, split_packed
 from .gate_up import gate_up_separate_dw, gate_up_separate_dx, weight_halves
 from .grouped import grouped_linear_dw, grouped_linear_dx, grouped_linear_fwd
 
@@ -75,20 +75,21 @@ def expert_of_row(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def _row_bias_sum(offs, *d_rows, layout_id: int = 0):
-    """``(E, D)``: the expert-sorted rows of ``d_rows (N, D)`` summed per expert (segment
-    sums over the ``offs`` boundaries: no atomics, so the same order every run; float32
-    accumulation for half types), in their dtype. Two ``(N, I)`` tensors (gate, up) are
-    summed into the halves of one ``(E, 2I)`` in the packing ``layout_id``."""
+    """``(E, D)``: the expert-sorted rows of ``d_rows (N, D)`` summed per expert, as the
+    weight gradient of a grouped linear layer whose input is all ones (a grouped GEMM:
+    float32 accumulation, no atomics, so the same bits every run, and no host sync). Two
+    ``(N, I)`` tensors (gate, up) are summed into the halves of one ``(E, 2I)`` in the
+    packing ``layout_id``."""
     first = d_rows[0]
-    lengths = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
-    sums = [torch.segment_reduce(d.to(compute_dtype(first.dtype)), "sum", lengths=lengths)
-            for d in d_rows]
+    # Eight columns of ones keep the GEMM operand 16-byte aligned; the first is the sum.
+    ones = first.new_ones((first.shape[0], 8))
+    sums = [grouped_linear_dw(ones, d, offs)[..., 0] for d in d_rows]
     if len(sums) == 1:
-        return sums[0].to(first.dtype)
-    acc = sums[0].new_empty(offs.shape[0], sum(d.shape[1] for d in d_rows))
+        return sums[0].contiguous()
+    acc = first.new_empty(offs.shape[0], sum(d.shape[1] for d in d_rows))
     for part, total in zip(split_packed(acc, layout_id), sums):
         part.copy_(total)
-    return acc.to(first.dtype)
+    return acc
 
 
 def experts_fwd(x, gate_up_proj, down_proj, offs, weights=None, gate_up_bias=None,

@@ -331,3 +331,33 @@ def test_kernels_read_and_write_rows_at_every_stride_alignment(width):
                                        src.cpu().float()[index.cpu()])
     torch.testing.assert_close(d_rows.cpu().float(), want_rows, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(d_w.cpu(), want_w.to(d_w.dtype), rtol=1e-3, atol=1e-3)
+
+
+def test_gather_rows_with_mixed_strides_and_a_strided_index():
+    """Source and output rows of different strides (vector widths 8 and 4), and an index
+    that is a column of a 2-D tensor (not contiguous)."""
+    g = torch.Generator().manual_seed(7)
+    src = torch.randn(12, 40, generator=g).to(torch.bfloat16).to(DEV)[:, :24]
+    pairs = torch.tensor([[11, 5], [0, 5], [7, 5], [7, 5], [3, 5]], device=DEV)
+    index = pairs[:, 0]
+    assert not index.is_contiguous()
+    out = torch.zeros(5, 36, dtype=torch.bfloat16, device=DEV)
+    gs.launch_gather_rows(src, index, out[:, :24])
+    assert torch.equal(out[:, :24].cpu(), src.cpu()[index.cpu()])
+    packed = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEV)
+    values = torch.arange(12.0, device=DEV)[:, None]
+    gs.launch_pack_rows(src, index, values, index, packed, 48)
+    assert torch.equal(packed[:, :24].cpu(), src.cpu()[index.cpu()])
+    got_values = packed.cpu().view(torch.uint8)[:, 48:52].contiguous().view(torch.float32)
+    assert torch.equal(got_values[:, 0], index.cpu().float())
+
+
+def test_pack_rows_kernel_rejects_rows_that_would_overwrite_the_values():
+    out = torch.empty(2, 16, dtype=torch.bfloat16, device=DEV)
+    values = torch.randn(2, 1, device=DEV)
+    index = torch.tensor([0, 1], device=DEV)
+    with pytest.raises(ValueError, match="end before the values"):
+        gs.launch_pack_rows(torch.randn(2, 12, device=DEV).bfloat16(), index, values, None,
+                            out, 16)
+    with pytest.raises(ValueError, match="out's dtype"):
+        gs.launch_pack_rows(torch.randn(2, 8, device=DEV), index, values, None, out, 16)

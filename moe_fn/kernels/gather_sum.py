@@ -206,11 +206,10 @@ def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_byte
                       HAS_VIDX: tl.constexpr, VB: tl.constexpr, VB_P: tl.constexpr,
                       ES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
                       VEC: tl.constexpr):
-    # ROWS rows per program: one program per row spends more time waiting on its index
-    # than moving a 4 KB row.
+    # ROWS output rows per program, BLOCK_C columns a step (bench/gpu_gather.py sweeps both).
     i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mi = i < N
-    if HAS_VALS:  # loaded first: their latency then overlaps the rows' copy
+    if HAS_VALS:  # loaded before the rows' copy, so their latency can overlap it
         j = i
         if HAS_VIDX:
             j = tl.load(vidx_ptr + i, mask=mi, other=0).to(tl.int64)

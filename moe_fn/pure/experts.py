@@ -76,8 +76,9 @@ def expert_of_row(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _row_bias_sum(offs, *d_rows, layout_id: int = 0):
     """``(E, D)``: the expert-sorted rows of ``d_rows (N, D)`` summed per expert, as the
-    weight gradient of a grouped linear layer whose input is all ones (a grouped GEMM:
-    float32 accumulation, no atomics, so the same bits every run, and no host sync). Two
+    weight gradient of a grouped linear layer whose input is all ones (a grouped GEMM with
+    no atomics, so the same bits every run, and, where ``torch._grouped_mm`` takes it, no
+    host sync and float32 accumulation for bfloat16). Two
     ``(N, I)`` tensors (gate, up) are summed into the halves of one ``(E, 2I)`` in the
     packing ``layout_id``."""
     first = d_rows[0]

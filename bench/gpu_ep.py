@@ -10,6 +10,7 @@
      the same payload, and DeepEP dispatch/combine;
    - recompute (issue 4): forward + checkpointed recompute + backward with the combine skip
      on and off; fresh dispatch (layout + dispatch) against a cached one; the forward combine;
+     a profiler table of the kernels whose time differs most between skip off and on;
    - overlap (issue 5): layer backward with overlap_weight_grad on/off at comm_num_sm 12,
      20, 24; the backward combine and the dW GEMMs alone; a profiler count of the time
      communication kernels ran concurrently with the dW GEMMs.
@@ -265,6 +266,44 @@ def recompute_bench(have_deepep, results, tokens, reps):
             "saved_fraction_of_combine": saved / comb}
         say(f"recompute {backend}: skip saves {saved:.3f} ms (paired median) of a "
             f"{comb:.3f} ms combine")
+        try:  # a diagnostic: its failure must not cost the sections after it
+            recompute_kernels(backend, [lambda lay=lay: step(lay) for lay in layers], results)
+        except Exception as e:  # noqa: BLE001
+            say(f"recompute {backend} kernels: profile failed: {type(e).__name__}: {e}")
+
+
+def kernel_times(step_fn, reps=5):
+    """Per-kernel GPU time (µs per step) of ``step_fn`` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    step_fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step_fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.key[:90]
+            times[name] = times.get(name, 0.0) + ev.self_device_time_total / reps
+    return times
+
+
+def recompute_kernels(backend, steps, results):
+    """Where the skip's saving goes: each arm's kernel time per step and the kernels whose
+    time differs most between skip off and on (this rank; every rank runs the same)."""
+    off, on = (kernel_times(fn) for fn in steps)
+    rows = sorted(((n, off.get(n, 0.0), on.get(n, 0.0)) for n in set(off) | set(on)),
+                  key=lambda r: -abs(r[1] - r[2]))
+    summary = {"kernel_us_per_step_skip_off": sum(off.values()),
+               "kernel_us_per_step_skip_on": sum(on.values()),
+               "largest_differences": [{"kernel": n, "skip_off_us": a, "skip_on_us": b}
+                                       for n, a, b in rows[:12]]}
+    results["recompute"][f"{backend} kernels"] = summary
+    say(f"recompute {backend} kernels: {summary['kernel_us_per_step_skip_off']:.0f} us off, "
+        f"{summary['kernel_us_per_step_skip_on']:.0f} us on per step")
+    for n, a, b in rows[:12]:
+        say(f"recompute {backend} kernel {b - a:+8.1f} us  ({a:7.1f} -> {b:7.1f})  {n}")
 
 
 def interleaved_times(arms, reps, warmup=5):

@@ -132,10 +132,7 @@ class DeepEPExchange(TokenRowsExchange):
         d_recv = kernels.masked_gather_sum(d_rows, handle.row_of_slot)  # per received token
         d_recv_w = None
         if d_row_weights is not None:
-            table = handle.row_of_slot
-            if d_row_weights.numel() == 0:
-                d_row_weights = d_row_weights.new_zeros(1)
-            d_recv_w = torch.where(table >= 0, d_row_weights.float()[table.clamp(min=0)], 0.0)
+            d_recv_w = self._per_slot(d_row_weights.float(), handle.row_of_slot)
         dx, d_w, event = self.buffer.combine(d_recv, handle.deepep_handle, topk_weights=d_recv_w,
                                              config=self.combine_config, async_finish=async_op)
 

@@ -134,8 +134,7 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
         if d_row_weights is None:
             partials = kernels.masked_gather_sum(d_rows, table)
         else:
-            flat = torch.cat([d_row_weights.reshape(-1), d_row_weights.new_zeros(1)])
-            d_recv_w = flat[torch.where(table >= 0, table, flat.numel() - 1)]
+            d_recv_w = self._per_slot(d_row_weights, table)
             partials = new_packed(d_rows, table.shape[0], d_recv_w)
             kernels.masked_gather_sum(d_rows, table, out=partials[:, :d_rows.shape[1]])
             pack_rows(None, None, d_recv_w, None, partials)

@@ -10,6 +10,8 @@ and ``_tokens_to_experts(d_out, handle) -> received rows (T_recv, H)``.
 
 from __future__ import annotations
 
+import torch
+
 from .. import kernels
 from .base import Exchange
 
@@ -22,6 +24,14 @@ class TokenRowsExchange(Exchange):
 
     def _tokens_to_experts(self, d_out, handle):
         raise NotImplementedError
+
+    @staticmethod
+    def _per_slot(row_values, table):
+        """``(R, k)``: each received token's slot value from ``row_values (N,)`` through
+        ``table = handle.row_of_slot``, zero where the slot's expert lives elsewhere."""
+        if row_values.numel() == 0:  # no rows here: every slot is elsewhere
+            return row_values.new_zeros(table.shape)
+        return torch.where(table >= 0, row_values.reshape(-1)[table.clamp(min=0)], 0)
 
     def combine_fwd(self, rows, handle):
         self.counters["combine"] += 1

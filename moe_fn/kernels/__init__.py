@@ -10,7 +10,7 @@ Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd`
 its Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
 under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and
 ``moe_fn.kernels.row_weight.launch_*``. ``layout`` and ``layout_with_tokens`` are plain
-functions too: three Triton launches for CUDA ``topk_idx`` in eager mode
+functions too: two or three Triton launches for CUDA ``topk_idx`` in eager mode
 (``moe_fn.kernels.dispatch_layout.launch_layout``), the pure ``layout`` elsewhere.
 """
 
@@ -173,8 +173,8 @@ def _use_layout_kernel(topk_idx) -> bool:
 
 
 def layout(topk_idx, num_experts: int):
-    """``moe_fn.pure.dispatch.layout`` (same outputs, bit for bit) in three Triton launches
-    for CUDA tensors in eager mode; the pure function elsewhere. No custom op: under
+    """``moe_fn.pure.dispatch.layout`` (same outputs, bit for bit) in two or three Triton
+    launches for CUDA tensors in eager mode; the pure function elsewhere. No custom op: under
     ``torch.compile`` the pure code is traced."""
     if not _use_layout_kernel(topk_idx):
         return _pure_dispatch.layout(topk_idx, num_experts)

@@ -31,3 +31,19 @@ def test_expand_received_matches_naive(r, k, e_local):
     want = naive(local, e_local)
     for a, b in zip(got, want):
         assert torch.equal(a, b.reshape(a.shape)), (a, b)
+
+
+def test_per_slot_values_follow_the_table_and_are_zero_elsewhere():
+    """The token-once exchanges' (received token, k) table of row values (DeepEP's and the
+    dedup exchange's routing-weight gradients): the row's value where the slot's expert is
+    local, zero where it lives elsewhere, in the values' dtype, also with no rows at all."""
+    from moe_fn.comm.tokens import TokenRowsExchange
+
+    table = torch.tensor([[2, -1, 0], [-1, -1, 1]])
+    values = torch.tensor([0.5, -1.5, 4.0], dtype=torch.bfloat16)
+    got = TokenRowsExchange._per_slot(values, table)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.tensor([[4.0, 0.0, 0.5], [0.0, 0.0, -1.5]],
+                                         dtype=torch.bfloat16))
+    empty = TokenRowsExchange._per_slot(torch.zeros(0), torch.full((2, 3), -1))
+    assert torch.equal(empty, torch.zeros(2, 3))

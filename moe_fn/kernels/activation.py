@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..pure.activations import LAYOUT_ID, split_packed
+from ._launch import cdiv, launch, next_pow2
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -212,7 +213,7 @@ _CONFIGS = [
 def _prune(configs, named_args, **kwargs):
     """Drop column blocks much wider than the row (all-masked lanes); keep at least one."""
     width = named_args["I"] if "I" in named_args else named_args["H"]
-    width = triton.next_power_of_2(max(int(width), 1))
+    width = next_pow2(max(int(width), 1))
     kept = [c for c in configs if c.kwargs["BLOCK_C"] <= max(width, 256)]
     return kept or configs[:1]
 
@@ -231,18 +232,19 @@ def heuristic_blocks(width: int) -> tuple[int, int, int]:
         # The interpreter runs one Python step per program: few, wide programs; a narrow
         # column block so small test widths still exercise the column loop and its masks.
         return 16, 32, 4
-    block_c = min(max(triton.next_power_of_2(max(width, 1)), 128), 1024)
+    block_c = min(max(next_pow2(max(width, 1)), 128), 1024)
     block_r = max(1, 4096 // block_c)
     return block_r, block_c, 8
 
 
 def _launch(kernel, tuned, n_rows: int, width: int, *args, **meta):
     if _autotune_enabled():
-        tuned[lambda m: (triton.cdiv(n_rows, m["BLOCK_R"]),)](*args, **meta)
+        launch(tuned, lambda m: (cdiv(n_rows, m["BLOCK_R"]),), *args,
+               tune_key=(width,), **meta)
         return
     block_r, block_c, nw = heuristic_blocks(width)
-    kernel[(triton.cdiv(n_rows, block_r),)](*args, **meta, BLOCK_R=block_r, BLOCK_C=block_c,
-                                           num_warps=nw)
+    launch(kernel, (cdiv(n_rows, block_r),), *args, **meta, BLOCK_R=block_r,
+           BLOCK_C=block_c, num_warps=nw)
 
 
 # ----------------------------------------------------------------------------- launchers

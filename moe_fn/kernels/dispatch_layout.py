@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch, next_pow2
+
 # Rows per chunk, at most (small inputs use the next power of two of their row count, so a
 # decode step does not sort a mostly empty chunk). On an H200, against 1024 and 2048, 512
 # was fastest or within 10% from 4K to 2M rows and E = 8 to 1024: about 8 us of GPU time
@@ -144,28 +146,28 @@ def launch_layout(topk_idx: torch.Tensor, num_experts: int, *, chunk: int | None
         return (torch.zeros(e, dtype=torch.int64, device=dev),
                 torch.zeros(e, dtype=torch.int32, device=dev), perm, inv_perm, tok)
     if chunk is None:
-        chunk = min(CHUNK, max(16, triton.next_power_of_2(n)))
+        chunk = min(CHUNK, max(16, next_pow2(n)))
     elif chunk < 2 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 2, got {chunk}")
-    c = triton.cdiv(n, chunk)
-    e_pad = triton.next_power_of_2(e)
+    c = cdiv(n, chunk)
+    e_pad = next_pow2(e)
     table = torch.empty((c, e), dtype=torch.int32, device=dev)
     counts = torch.empty(e, dtype=torch.int64, device=dev)
     offs = torch.empty(e, dtype=torch.int32, device=dev)
     warps = 4 if chunk >= 256 else 2
-    _hist_kernel[(c,)](flat, table, n, e, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
+    launch(_hist_kernel, (c,), flat, table, n, e, E_PAD=e_pad, CHUNK=chunk, num_warps=warps)
     # A small table is summed by every scatter program instead of scanned in a launch of
     # its own: a launch costs the host tens of microseconds, reading the table costs the
     # GPU less while it stays small.
     fused_scan = c * e <= _FUSED_SCAN_MAX if fuse_scan is None else fuse_scan
     if fused_scan:
-        block_c = min(triton.next_power_of_2(c), max(1, _SCAN_TILE // e_pad))
+        block_c = min(next_pow2(c), max(1, _SCAN_TILE // e_pad))
     else:
         block_e = min(e_pad, _SCAN_BLOCK_E)
-        block_c = min(triton.next_power_of_2(c), max(1, _SCAN_TILE // block_e))
-        _scan_kernel[(triton.cdiv(e, block_e),)](table, counts, c, e, BLOCK_E=block_e,
-                                                 BLOCK_C=block_c, num_warps=4)
-    _scatter_kernel[(c,)](flat, table, counts, offs, perm, inv_perm, tok, n, e, k, c,
-                          E_PAD=e_pad, CHUNK=chunk, SCAN=fused_scan, BLOCK_C=block_c,
-                          num_warps=warps)
+        block_c = min(next_pow2(c), max(1, _SCAN_TILE // block_e))
+        launch(_scan_kernel, (cdiv(e, block_e),), table, counts, c, e, BLOCK_E=block_e,
+               BLOCK_C=block_c, num_warps=4)
+    launch(_scatter_kernel, (c,), flat, table, counts, offs, perm, inv_perm, tok, n, e, k, c,
+           E_PAD=e_pad, CHUNK=chunk, SCAN=fused_scan, BLOCK_C=block_c,
+           num_warps=warps)
     return counts, offs, perm, inv_perm, tok

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch, next_pow2
+
 _BLOCK_C = 1024
 
 
@@ -72,14 +74,14 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     out = _output(out, t, h, rows)
     if t == 0 or h == 0:
         return out.zero_()
-    block = min(_BLOCK_C, triton.next_power_of_2(h))
-    grid = (t, triton.cdiv(h, block))
+    block = min(_BLOCK_C, next_pow2(h))
+    grid = (t, cdiv(h, block))
     w = index if weights is None else weights.contiguous()
     vec = _vec(rows, rows.stride(0), out.stride(0))
-    _gather_sum_kernel[grid](rows, index.contiguous(), w, out, h, rows.stride(0) // vec,
-                             out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
-                             MASKED=False, W_BY_ROW=False, BLOCK_C=block, VEC=vec,
-                             num_warps=4 if block >= 512 else 2)
+    launch(_gather_sum_kernel, grid, rows, index.contiguous(), w, out, h,
+           rows.stride(0) // vec, out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
+           MASKED=False, W_BY_ROW=False, BLOCK_C=block, VEC=vec,
+           num_warps=4 if block >= 512 else 2)
     return out
 
 
@@ -95,13 +97,13 @@ def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
     out = _output(out, r, h, rows)
     if r == 0 or h == 0 or k == 0 or rows.shape[0] == 0:
         return out.zero_()
-    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    block = min(_BLOCK_C, next_pow2(h))
     w = table if weights is None else weights.contiguous()
     vec = _vec(rows, rows.stride(0), out.stride(0))
-    _gather_sum_kernel[(r, triton.cdiv(h, block))](
-        rows, table.contiguous(), w, out, h, rows.stride(0) // vec, out.stride(0) // vec,
-        K=k, HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
-        VEC=vec, num_warps=4 if block >= 512 else 2)
+    launch(_gather_sum_kernel, (r, cdiv(h, block)),
+           rows, table.contiguous(), w, out, h, rows.stride(0) // vec, out.stride(0) // vec,
+           K=k, HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
+           VEC=vec, num_warps=4 if block >= 512 else 2)
     return out
 
 
@@ -153,16 +155,16 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
         return lo, hi, d_w
     if h == 0:
         return lo, hi, d_w.zero_()
-    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    block = min(_BLOCK_C, next_pow2(h))
     # Dummy pointers for an empty side; never dereferenced (no position maps there).
     lo_arg = lo if split else rows
     hi_arg = hi if p - split else rows
     strides = (d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0))
     vec = _vec(rows, *strides)
-    _weighted_gather_sum_bwd_kernel[(p,)](
-        d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg, d_w, h,
-        split, *(s // vec for s in strides), K=top_k, BLOCK_C=block, VEC=vec,
-        num_warps=4 if block >= 512 else 2)
+    launch(_weighted_gather_sum_bwd_kernel, (p,),
+           d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg, d_w, h,
+           split, *(s // vec for s in strides), K=top_k, BLOCK_C=block, VEC=vec,
+           num_warps=4 if block >= 512 else 2)
     return lo, hi, d_w
 
 
@@ -190,13 +192,12 @@ def launch_gather_row_weight_bwd(src, index, rows, weights):
         return out, d_w
     if h == 0:
         return out, d_w.zero_()
-    block = min(_BLOCK_C, triton.next_power_of_2(h))
+    block = min(_BLOCK_C, next_pow2(h))
     strides = (src.stride(0), rows.stride(0), out.stride(0))
     vec = _vec(rows, *strides)
-    _gather_row_weight_bwd_kernel[(n,)](src, index.contiguous(), rows, weights.contiguous(),
-                                        out, d_w, h, *(s // vec for s in strides),
-                                        BLOCK_C=block, VEC=vec,
-                                        num_warps=4 if block >= 512 else 2)
+    launch(_gather_row_weight_bwd_kernel, (n,), src, index.contiguous(), rows,
+           weights.contiguous(), out, d_w, h, *(s // vec for s in strides), BLOCK_C=block,
+           VEC=vec, num_warps=4 if block >= 512 else 2)
     return out, d_w
 
 
@@ -273,17 +274,17 @@ def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, b
         return out
     h = 0 if rows is None else rows.shape[1]
     per = rows_per_program or PACK_ROWS
-    block = min(block_c or PACK_BLOCK_C, triton.next_power_of_2(max(h, 1)))
+    block = min(block_c or PACK_BLOCK_C, next_pow2(max(h, 1)))
     src = out if rows is None else rows
     vec = _vec(out, src.stride(0), out.stride(0))
     vb = 0 if vals is None else vals.shape[1]
     dummy = out
-    _pack_rows_kernel[(triton.cdiv(n, per),)](
-        src, dummy if rows is None else index.contiguous(), dummy if vals is None else vals,
-        dummy if values_index is None else values_index.contiguous(), out,
-        out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
-        out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_VALS=vals is not None,
-        HAS_VIDX=values_index is not None, VB=vb, VB_P=triton.next_power_of_2(max(vb, 1)),
-        ES=out.element_size(), ROWS=per, BLOCK_C=block, VEC=vec,
-        num_warps=num_warps or PACK_WARPS)
+    launch(_pack_rows_kernel, (cdiv(n, per),),
+           src, dummy if rows is None else index.contiguous(), dummy if vals is None else vals,
+           dummy if values_index is None else values_index.contiguous(), out,
+           out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
+           out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_VALS=vals is not None,
+           HAS_VIDX=values_index is not None, VB=vb, VB_P=next_pow2(max(vb, 1)),
+           ES=out.element_size(), ROWS=per, BLOCK_C=block, VEC=vec,
+           num_warps=num_warps or PACK_WARPS)
     return out

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..pure.router import NORM_EPS
+from ._launch import cdiv, launch, next_pow2
 from .activation import interpreting
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -182,14 +183,14 @@ def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *,
         return idx, w, scores, raw
     # The pure path adds bias.to(float32): the same rounding here.
     b = bias.to(torch.float32).contiguous() if bias is not None else None
-    block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(64, _TILE // block_e, triton.next_power_of_2(t)))
-    grid = (triton.cdiv(t, block_t),)
-    _router_fwd_kernel[grid](
-        logits, b if b is not None else raw, idx, raw, w, scores if scores is not None else raw,
-        t, e, logits.stride(0), logits.stride(1), float(scale),
-        K=top_k, KP=triton.next_power_of_2(top_k), SCORE=score_id, HAS_BIAS=b is not None,
-        NORM=bool(norm), PRECISE=not interpreting(), N_GROUP=n_group,
-        TOPK_GROUP=topk_group, TOP2=bool(top2_sum), BLOCK_T=block_t, BLOCK_E=block_e,
-        num_warps=4 if block_t * block_e >= 2048 else 2)
+    block_e = next_pow2(e)
+    block_t = max(1, min(64, _TILE // block_e, next_pow2(t)))
+    grid = (cdiv(t, block_t),)
+    launch(_router_fwd_kernel, grid,
+           logits, b if b is not None else raw, idx, raw, w, scores if scores is not None else raw,
+           t, e, logits.stride(0), logits.stride(1), float(scale),
+           K=top_k, KP=next_pow2(top_k), SCORE=score_id, HAS_BIAS=b is not None,
+           NORM=bool(norm), PRECISE=not interpreting(), N_GROUP=n_group,
+           TOPK_GROUP=topk_group, TOP2=bool(top2_sum), BLOCK_T=block_t, BLOCK_E=block_e,
+           num_warps=4 if block_t * block_e >= 2048 else 2)
     return idx, w, scores, raw

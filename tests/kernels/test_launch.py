@@ -1,0 +1,219 @@
+"""The fast Triton launch path (``moe_fn.kernels._launch``): its cache key separates every
+specialisation Triton compiles separately, repeat launches pass the launcher the same
+arguments Triton would, and every case it does not cover takes Triton's own path.
+
+On the CPU a fake kernel stands in for Triton (there is no compiled launcher there); on a
+GPU the real kernels run through both paths and must agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fn.kernels import _launch
+
+
+class FakeCompiled:
+    """A compiled kernel: ``run`` records what the launcher receives."""
+
+    def __init__(self, log):
+        self.log = log
+        self.function = object()
+        self.packed_metadata = ("meta",)
+
+    def run(self, *a):
+        self.log.append(("fast", a))
+
+
+class FakeKernel:
+    """A JIT function: ``kernel[grid](...)`` compiles (logged) and returns FakeCompiled."""
+
+    arg_names = ["x", "y", "n", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def call(*args, **params):
+            self.log.append(("slow", grid, args, params))
+            return FakeCompiled(self.log)
+        return call
+
+
+class FakeConfig:
+    pre_hook = None
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def all_kwargs(self):
+        return dict(self.kw)
+
+
+class FakeTuner(FakeKernel):
+    """An autotuner: ``configs``, ``fn`` (the JIT function) and the ``best_config`` of its
+    last run."""
+
+    configs = [FakeConfig(BLOCK=64, num_warps=4), FakeConfig(BLOCK=128, num_warps=8)]
+
+    def __init__(self):
+        super().__init__()
+        self.fn = FakeKernel()
+        self.best_config = None
+
+    def __getitem__(self, grid):
+        inner = super().__getitem__(grid)
+
+        def call(*args, **params):
+            self.best_config = self.configs[-1]
+            return inner(*args, **params, **self.best_config.all_kwargs())
+        return call
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The launcher's view of a CUDA device, on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    monkeypatch.setattr(_launch, "ENABLED", True)
+
+
+def kinds(log):
+    return [e[0] for e in log]
+
+
+def test_repeat_launch_calls_the_launcher_with_triton_s_argument_list(fake_cuda):
+    k = FakeKernel()
+    x, y = torch.zeros(64), torch.zeros(64)
+    _launch.launch(k, (3,), x, y, 7, BLOCK=32, num_warps=4)
+    _launch.launch(k, (5, 2), x, y, 7, BLOCK=32, num_warps=4)
+    assert kinds(k.log) == ["slow", "fast"]
+    grid0, grid1, grid2, stream, function, packed, meta, enter, leave, *args = k.log[1][1]
+    assert (grid0, grid1, grid2, stream) == (5, 2, 1, 1234)
+    assert packed == ("meta",) and meta is None and enter is None and leave is None
+    # Every parameter in signature order, the constexpr included (not launch options).
+    assert args[:2] == [x, y] and args[2:] == [7, 32]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_div16", "int64",
+                                    "constexpr", "option", "none"])
+def test_each_specialisation_triton_separates_compiles_again(fake_cuda, change):
+    k = FakeKernel()
+    base = torch.zeros(64)
+    args = {"x": base, "y": base, "n": 48}
+    params = {"BLOCK": 32, "num_warps": 4}
+    _launch.launch(k, (1,), *args.values(), **params)
+    if change == "misaligned":
+        args["x"] = base[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args["y"] = base.double()
+    elif change == "int_one":
+        args["n"] = 1
+    elif change == "int_div16":
+        args["n"] = 47
+    elif change == "int64":
+        args["n"] = 2**31 + 16
+    elif change == "constexpr":
+        params["BLOCK"] = 64
+    elif change == "option":
+        params["num_warps"] = 8
+    elif change == "none":
+        args["y"] = None
+    _launch.launch(k, (1,), *args.values(), **params)
+    assert kinds(k.log) == ["slow", "slow"]
+    _launch.launch(k, (1,), *args.values(), **params)
+    assert kinds(k.log) == ["slow", "slow", "fast"]
+
+
+def test_same_properties_share_a_compiled_kernel(fake_cuda):
+    k = FakeKernel()
+    a, b = torch.zeros(64), torch.zeros(128)
+    _launch.launch(k, (1,), a, a, 32, BLOCK=32)
+    _launch.launch(k, (1,), b[4:], b, 64, BLOCK=32)  # 16 bytes in: still aligned
+    assert kinds(k.log) == ["slow", "fast"]
+
+
+def test_hooks_unkeyed_arguments_and_disabling_take_triton_s_path(fake_cuda, monkeypatch):
+    k = FakeKernel()
+    x = torch.zeros(8)
+    _launch.launch(k, (1,), x, x, 3, BLOCK=8)
+    _launch.launch(k, (1,), x, x, (3,), BLOCK=8)  # a tuple argument: not keyed here
+    monkeypatch.setattr(_launch, "_hooks_set", lambda: True)
+    _launch.launch(k, (1,), x, x, 3, BLOCK=8)
+    monkeypatch.setattr(_launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    _launch.launch(k, (1,), x, x, 3, BLOCK=8)
+    assert kinds(k.log) == ["slow"] * 4
+
+
+def test_a_parameter_left_to_its_default_is_never_launched_fast(fake_cuda):
+    k = FakeKernel()
+    x = torch.zeros(8)
+    for _ in range(3):
+        _launch.launch(k, (1,), x, x, 3)  # BLOCK not passed: the tail is unknown
+    assert kinds(k.log) == ["slow"] * 3
+
+
+def test_interpreter_or_no_compiled_kernel_stays_on_triton_s_path(fake_cuda):
+    k = FakeKernel()
+    k.__class__ = type("Interp", (FakeKernel,), {
+        "__getitem__": lambda self, g: lambda *a, **p: self.log.append(("slow",))})
+    x = torch.zeros(8)
+    for _ in range(3):
+        _launch.launch(k, (1,), x, x, 3, BLOCK=8)
+    assert kinds(k.log) == ["slow"] * 3
+
+
+def test_autotuned_kernel_replays_the_chosen_config_per_tune_key(fake_cuda):
+    k = FakeTuner()
+    x = torch.zeros(64)
+
+    def grid(m):
+        return (1000 // m["BLOCK"],)
+    _launch.launch(k, grid, x, x, 32, tune_key=(32,), FLAG=True)
+    _launch.launch(k, grid, x, x, 32, tune_key=(32,), FLAG=True)
+    assert kinds(k.log) == ["slow", "fast"]
+    g0, *_rest = k.log[1][1]
+    args = k.log[1][1][9:]
+    assert g0 == 1000 // 128  # the grid from the config the tuner chose
+    assert args[3:] == (128,)  # its constexpr in the launcher's argument list
+    _launch.launch(k, grid, x, x, 32, tune_key=(48,), FLAG=True)  # another tuning key
+    assert kinds(k.log)[-1] == "slow"
+
+
+def test_an_autotuner_config_with_a_pre_hook_is_never_launched_fast(fake_cuda):
+    k = FakeTuner()
+    hooked = FakeConfig(BLOCK=128, num_warps=8)
+    hooked.pre_hook = print
+    k.configs = [hooked]
+    x = torch.zeros(64)
+    for _ in range(2):
+        _launch.launch(k, lambda m: (1,), x, x, 32, FLAG=True)
+    assert kinds(k.log) == ["slow", "slow"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (compiled Triton)")
+def test_real_kernels_agree_on_both_paths_and_the_fast_one_engages(monkeypatch):
+    from moe_fn import kernels
+
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.randn(4096 * 256 + 1, device="cuda", generator=g).bfloat16()
+    index = torch.randint(0, 4096, (64 * 4,), device="cuda", generator=g)
+    aligned = flat[:-1].view(4096, 256)
+    misaligned = flat[1:].view(4096, 256)  # 2 bytes past a 16-byte boundary
+    assert misaligned.data_ptr() % 16 == 2
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(_launch, "ENABLED", enabled)
+        for name, src in (("aligned", aligned), ("misaligned", misaligned)):
+            outs = [kernels.gather_sum_fwd(src, index, 4)[0] for _ in range(3)]
+            torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=0)
+            results[enabled, name] = outs[-1]
+    for name in ("aligned", "misaligned"):
+        torch.testing.assert_close(results[True, name], results[False, name], rtol=0, atol=0)
+    assert not torch.equal(results[True, "aligned"], results[True, "misaligned"])
+    live = [e for e in _launch._CACHE.values() if e is not None]
+    assert len(live) >= 2, "the fast path never engaged on this Triton"

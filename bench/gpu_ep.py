@@ -266,10 +266,94 @@ def recompute_bench(have_deepep, results, tokens, reps):
             "saved_fraction_of_combine": saved / comb}
         say(f"recompute {backend}: skip saves {saved:.3f} ms (paired median) of a "
             f"{comb:.3f} ms combine")
-        try:  # a diagnostic: its failure must not cost the sections after it
+        try:  # diagnostics: their failure must not cost the sections after them
+            recompute_phases(backend, layers, x, dy, 2 * reps, results)
             recompute_kernels(backend, [lambda lay=lay: step(lay) for lay in layers], results)
         except Exception as e:  # noqa: BLE001
-            say(f"recompute {backend} kernels: profile failed: {type(e).__name__}: {e}")
+            say(f"recompute {backend} diagnostics failed: {type(e).__name__}: {e}")
+
+
+_COMBINE_FWD = ("combine_fwd", "combine_weighted_fwd", "combine_row_weighted_fwd")
+
+
+def recompute_phases(backend, layers, x, dy, reps, results):
+    """The step split where it happens, by CUDA events on the stream (this rank): the
+    forward, the recompute, the rest of the backward, and the forward combine inside the
+    skip-off recompute. In a step the host runs ahead of the GPU, so a phase's interval is
+    its time on the GPU's timeline (including any wait for the host), which is what the
+    skip can save; the standalone combine timing above starts from an idle GPU instead."""
+    marks = []
+
+    def mark():
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append(ev)
+
+    for layer in layers:
+        for name in _COMBINE_FWD:
+            real = getattr(layer.exchange, name, None)
+            if real is None:
+                continue
+
+            def wrapped(*a, _real=real, **kw):
+                mark()
+                out = _real(*a, **kw)
+                mark()
+                return out
+            setattr(layer.exchange, name, wrapped)
+
+    def block(layer):
+        def fn(h):
+            mark()
+            out = h + layer(h)
+            mark()
+            return out
+        return fn
+
+    phases = [{"forward": [], "recompute": [], "backward_rest": [], "recompute_combine": []}
+              for _ in layers]
+    try:
+        for rep in range(reps + 3):
+            for arm, layer in enumerate(layers):
+                for p in layer.parameters():
+                    p.grad = None
+                torch.cuda.synchronize()
+                dist.barrier()
+                marks.clear()
+                moe_fn.checkpoint(block(layer), x).backward(dy)
+                mark()
+                torch.cuda.synchronize()
+                if rep < 3:
+                    continue
+                # Forward: fn start, [combine start, end], fn end; the recompute: fn start,
+                # [its combine, when not skipped], fn end; then the backward's end.
+                f0, f1 = marks[0], marks[3]
+                r0, r1 = marks[4], marks[-2]
+                ph = phases[arm]
+                ph["forward"].append(f0.elapsed_time(f1))
+                ph["recompute"].append(r0.elapsed_time(r1))
+                ph["backward_rest"].append(r1.elapsed_time(marks[-1]))
+                if len(marks) == 9:  # the recompute's combine ran
+                    ph["recompute_combine"].append(marks[5].elapsed_time(marks[6]))
+    finally:
+        for layer in layers:
+            for name in _COMBINE_FWD:
+                layer.exchange.__dict__.pop(name, None)
+    med = [{k: statistics.median(v) if v else None for k, v in ph.items()} for ph in phases]
+    off, on = phases
+    saved = statistics.median(a - b for a, b in zip(off["recompute"], on["recompute"]))
+    cost = statistics.median(b - a for a, b in zip(off["backward_rest"], on["backward_rest"]))
+    comb = med[0]["recompute_combine"]
+    summary = {"skip_off_ms": med[0], "skip_on_ms": med[1],
+               "recompute_saving_ms": saved, "backward_cost_ms": cost,
+               "combine_in_recompute_ms": comb,
+               "saving_net_of_backward_cost_ms": saved - cost,
+               "net_saving_fraction_of_combine_in_recompute": (saved - cost) / comb}
+    results["recompute"][f"{backend} phases"] = summary
+    say(f"recompute {backend} phases: off {med[0]}, on {med[1]}")
+    say(f"recompute {backend} phases: the recompute's combine took {comb:.3f} ms; the skip "
+        f"saves {saved:.3f} ms of the recompute and adds {cost:.3f} ms to the backward "
+        f"(net {saved - cost:.3f} ms = {(saved - cost) / comb:.0%} of that combine)")
 
 
 def kernel_times(step_fn, reps=5):
@@ -302,7 +386,7 @@ def recompute_kernels(backend, steps, results):
     results["recompute"][f"{backend} kernels"] = summary
     say(f"recompute {backend} kernels: {summary['kernel_us_per_step_skip_off']:.0f} us off, "
         f"{summary['kernel_us_per_step_skip_on']:.0f} us on per step")
-    for n, a, b in rows[:12]:
+    for n, a, b in rows[:6]:  # the rest are in the results file
         say(f"recompute {backend} kernel {b - a:+8.1f} us  ({a:7.1f} -> {b:7.1f})  {n}")
 
 

@@ -2,19 +2,23 @@
 
 ``kernel[grid](...)`` re-derives on every call what Triton compiles a kernel for (each
 argument's type, 16-byte alignment, divisibility by 16, whether an int is 1) through its
-generic binder, then looks the compiled kernel up. On the GPU hosts we measured (about 50
-µs per Triton launch, of order a whole layer's kernel time over its ~10 launches) that
-is what keeps an eager layer forward host-bound. ``launch`` keys its own cache on exactly
-those properties, computed directly, and after the first (ordinary, compiling) launch of
-a specialisation calls the compiled kernel's launcher itself.
+generic binder, then looks the compiled kernel up. On the GPU hosts we measured a launch
+cost 30-100 µs of host time, and an eager layer forward's host time (0.7-1.5 ms) is of
+the order of its kernel time (1.4 ms), so launch cost decides whether the GPU waits.
+``launch`` keys its own cache on exactly those properties, computed directly, and after
+the first (ordinary, compiling) launch of a specialisation calls the compiled kernel's
+launcher itself.
 
 Any case it does not cover takes Triton's own path: the interpreter, launch hooks
 (profilers such as proton set them), argument kinds it does not key (anything but
 tensors, ints, floats, bools and None), and a Triton whose compiled kernels lack the
-launcher attributes. ``ENABLED = False`` turns it off (benchmarks compare the two).
+launcher attributes. ``MOE_FN_FAST_LAUNCH=0`` in the environment, or ``ENABLED = False``,
+turns it off (benchmarks compare the two).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,7 +27,7 @@ try:
 except ImportError:  # a Triton without ``knobs`` cannot say whether hooks are set
     _knobs = None
 
-ENABLED = True
+ENABLED = os.environ.get("MOE_FN_FAST_LAUNCH", "1") not in ("", "0")
 
 # (kernel, device, constexprs/options, argument key) -> launcher tuple, or None for "use
 # Triton's path for this key".

@@ -7,6 +7,10 @@ GPU the real kernels run through both paths and must agree."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -192,6 +196,15 @@ def test_an_autotuner_config_with_a_pre_hook_is_never_launched_fast(fake_cuda):
     for _ in range(2):
         _launch.launch(k, lambda m: (1,), x, x, 32, FLAG=True)
     assert kinds(k.log) == ["slow", "slow"]
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("", False), ("1", True)])
+def test_environment_switch(value, enabled):
+    env = dict(os.environ, MOE_FN_FAST_LAUNCH=value)
+    out = subprocess.run([sys.executable, "-c", "from moe_fn.kernels import _launch; "
+                          "print(_launch.ENABLED)"], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(enabled)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (compiled Triton)")

@@ -456,10 +456,57 @@ def overlap_bench(have_deepep, results, tokens, reps):
                 t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
             hidden = row["paired_saving_ms"] / min(t_dw, t_comb)
             row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
+            try:  # a diagnostic: its failure must not cost the rest of the section
+                dw_in, comb_in = serial_pieces_in_place(arms[0], x, dy, reps)
+                row.update({"dW_in_place_ms": dw_in, "bwd_combine_in_place_ms": comb_in,
+                            "hidden_fraction_in_place":
+                                row["paired_saving_ms"] / min(dw_in, comb_in)})
+            except Exception as e:  # noqa: BLE001
+                say(f"overlap {backend}: in-place timing failed: {type(e).__name__}: {e}")
             tag = "" if side is None else f" side_stream={side}"
             results["overlap"][f"{backend} sm={sms}{tag}"] = row
             say(f"overlap {backend} comm_num_sm={sms}{tag}: {row}")
         trace_overlap(layer, x, dy, results, backend)
+
+
+def serial_pieces_in_place(layer, x, dy, reps):
+    """Median ms of the serial backward's dW GEMMs and of its backward combine where they
+    run, by stream events around each call (this rank). In a backward the host runs ahead
+    of the GPU, so these are the pieces' times on the GPU's timeline, which is what an
+    overlap can hide; the standalone timings start from an idle GPU and include the host
+    time before their first kernel."""
+    import moe_fn.pure.experts as pure_experts
+    pending, times = [], {"dw": [], "comb": []}
+
+    def around(key, fn):
+        def wrapped(*a, **kw):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn(*a, **kw)
+            e.record()
+            pending.append((key, s, e))
+            return out
+        return wrapped
+    real_dw = pure_experts.experts_bwd_weight
+    pure_experts.experts_bwd_weight = around("dw", real_dw)
+    layer.exchange.dispatch_bwd = around("comb", layer.exchange.dispatch_bwd)
+    try:
+        for rep in range(reps + 2):
+            for p in layer.parameters():
+                p.grad = None
+            out = layer(x)
+            pending.clear()
+            out.backward(dy)
+            torch.cuda.synchronize()
+            if rep >= 2:
+                for key, s, e in pending:
+                    times[key].append(s.elapsed_time(e))
+    finally:
+        pure_experts.experts_bwd_weight = real_dw
+        layer.exchange.__dict__.pop("dispatch_bwd", None)
+    if not times["dw"] or not times["comb"]:
+        raise RuntimeError(f"the serial backward did not pass the wrapped calls: {times}")
+    return statistics.median(times["dw"]), statistics.median(times["comb"])
 
 
 def trace_overlap(layer, x, dy, results, backend):

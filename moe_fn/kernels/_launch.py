@@ -27,7 +27,8 @@ try:
 except ImportError:  # a Triton without ``knobs`` cannot say whether hooks are set
     _knobs = None
 
-ENABLED = os.environ.get("MOE_FN_FAST_LAUNCH", "1") not in ("", "0")
+ENABLED = os.environ.get("MOE_FN_FAST_LAUNCH", "1").strip().lower() not in (
+    "", "0", "false", "no", "off")
 
 # (kernel, device, constexprs/options, argument key) -> launcher tuple, or None for "use
 # Triton's path for this key".
@@ -89,20 +90,32 @@ def _launcher(compiled, names, n_args, params):
     return run, function, packed, tail
 
 
+def _knob_state():
+    """Global Triton options that change what ``kernel[grid]`` compiles."""
+    if _knobs is None:
+        return None
+    return (getattr(_knobs.runtime, "debug", None),
+            getattr(_knobs.compilation, "instrumentation_mode", None))
+
+
 def launch(kernel, grid, *args, tune_key=(), **params):
     """``kernel[grid](*args, **params)``, faster on repeat calls.
 
     ``args`` are the kernel's leading runtime arguments, positionally; ``params`` the
     rest by name (constexprs, then launch options such as ``num_warps``). ``grid`` is a
-    tuple, or a callable of the parameters (for an autotuned ``kernel``), whose runtime
-    key values the caller passes as ``tune_key`` so that each keeps its own config."""
+    tuple, or a callable of the arguments by name (for an autotuned ``kernel``), whose
+    runtime key values the caller passes as ``tune_key`` so that each keeps its own
+    config. Mutable globals a kernel reads are not re-checked on the fast path (Triton
+    checks them per launch); moe_fn's kernels read none."""
     if not ENABLED or not torch.cuda.is_available():
         return _slow(kernel, grid, args, params)
     keys = tuple([_arg_key(a) for a in args])
     if ... in keys or _hooks_set():
         return _slow(kernel, grid, args, params)
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(params.items()), keys, tune_key)
+    # Typed: Triton compiles True and 1, or 32 and 32.0, separately.
+    key = (kernel, device, tuple([(k, type(v), v) for k, v in params.items()]), keys,
+           tune_key, _knob_state())
     entry = _CACHE.get(key, ...)
     if entry is ...:  # first launch of this specialisation: Triton compiles and launches
         compiled = _slow(kernel, grid, args, params)
@@ -110,8 +123,10 @@ def launch(kernel, grid, *args, tune_key=(), **params):
         return compiled
     if entry is None:
         return _slow(kernel, grid, args, params)
-    run, function, packed, tail, grid_params = entry
-    g = grid(grid_params) if callable(grid) else grid
+    run, function, packed, tail, jit, chosen = entry
+    if getattr(jit, "pre_run_hooks", None):  # added since: Triton must run them
+        return _slow(kernel, grid, args, params)
+    g = grid({**dict(zip(jit.arg_names, args)), **chosen}) if callable(grid) else grid
     stream = torch._C._cuda_getCurrentRawStream(device)
     run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, function, packed,
         None, None, None, *args, *tail)
@@ -122,9 +137,16 @@ def _slow(kernel, grid, args, params):
     return kernel[grid](*args, **params)
 
 
+def _jit_types():
+    from triton.runtime.jit import JITFunction
+
+    return (JITFunction,)
+
+
 def _entry(kernel, compiled, n_args, params):
-    """The cache entry after an ordinary launch returned ``compiled``: the launcher and
-    the parameters the grid is computed from (an autotuner's chosen config included)."""
+    """The cache entry after an ordinary launch returned ``compiled``: the launcher, the
+    JIT function and the parameters the grid is computed from (an autotuner's chosen
+    config included); None for what only Triton's path handles."""
     if compiled is None:  # the interpreter, or a Triton whose launch returns nothing
         return None
     jit, chosen = kernel, dict(params)
@@ -135,8 +157,9 @@ def _entry(kernel, compiled, n_args, params):
             return None
         chosen.update(config.all_kwargs())
         jit = kernel.fn
-    names = getattr(jit, "arg_names", None)
-    if names is None:  # a wrapper (heuristics) around the JIT function: not keyed here
+    # Anything but a plain JIT function (heuristics, say, which compute constexprs from
+    # runtime values) keeps Triton's path.
+    if not isinstance(jit, _jit_types()) or getattr(jit, "pre_run_hooks", None):
         return None
-    launcher = _launcher(compiled, names, n_args, chosen)
-    return None if launcher is None else (*launcher, chosen)
+    launcher = _launcher(compiled, jit.arg_names, n_args, chosen)
+    return None if launcher is None else (*launcher, jit, chosen)

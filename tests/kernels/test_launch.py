@@ -82,6 +82,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     monkeypatch.setattr(_launch, "_CACHE", {})
     monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(_launch, "_jit_types", lambda: (FakeKernel,))
 
 
 def kinds(log):
@@ -102,8 +103,8 @@ def test_repeat_launch_calls_the_launcher_with_triton_s_argument_list(fake_cuda)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_div16", "int64",
-                                    "constexpr", "option", "none"])
-def test_each_specialisation_triton_separates_compiles_again(fake_cuda, change):
+                                    "constexpr", "constexpr_type", "option", "none", "debug"])
+def test_each_specialisation_triton_separates_compiles_again(fake_cuda, monkeypatch, change):
     k = FakeKernel()
     base = torch.zeros(64)
     args = {"x": base, "y": base, "n": 48}
@@ -121,6 +122,10 @@ def test_each_specialisation_triton_separates_compiles_again(fake_cuda, change):
         args["n"] = 2**31 + 16
     elif change == "constexpr":
         params["BLOCK"] = 64
+    elif change == "constexpr_type":  # Triton compiles 32 and 32.0 separately
+        params["BLOCK"] = 32.0
+    elif change == "debug":
+        monkeypatch.setattr(_launch, "_knob_state", lambda: (True, None))
     elif change == "option":
         params["num_warps"] = 8
     elif change == "none":
@@ -150,6 +155,31 @@ def test_hooks_unkeyed_arguments_and_disabling_take_triton_s_path(fake_cuda, mon
     monkeypatch.setattr(_launch, "ENABLED", False)
     _launch.launch(k, (1,), x, x, 3, BLOCK=8)
     assert kinds(k.log) == ["slow"] * 4
+
+
+def test_wrappers_and_pre_run_hooks_keep_triton_s_path(fake_cuda, monkeypatch):
+    k = FakeKernel()
+    x = torch.zeros(8)
+    monkeypatch.setattr(_launch, "_jit_types", lambda: ())  # e.g. triton.heuristics
+    for _ in range(2):
+        _launch.launch(k, (1,), x, x, 3, BLOCK=8)
+    assert kinds(k.log) == ["slow", "slow"]
+    monkeypatch.setattr(_launch, "_jit_types", lambda: (FakeKernel,))
+    _launch.launch(k, (1,), x, x, 16, BLOCK=8)  # another key: an entry this time
+    _launch.launch(k, (1,), x, x, 16, BLOCK=8)
+    assert kinds(k.log)[-1] == "fast"
+    k.pre_run_hooks = [print]  # added after the entry was made
+    _launch.launch(k, (1,), x, x, 16, BLOCK=8)
+    assert kinds(k.log)[-1] == "slow"
+
+
+def test_a_callable_grid_sees_runtime_arguments_by_name(fake_cuda):
+    k = FakeKernel()
+    x = torch.zeros(8)
+    for _ in range(2):
+        _launch.launch(k, lambda m: (m["n"] // m["BLOCK"],), x, x, 64, BLOCK=8)
+    assert kinds(k.log) == ["slow", "fast"]
+    assert k.log[1][1][0] == 8
 
 
 def test_a_parameter_left_to_its_default_is_never_launched_fast(fake_cuda):
@@ -198,7 +228,8 @@ def test_an_autotuner_config_with_a_pre_hook_is_never_launched_fast(fake_cuda):
     assert kinds(k.log) == ["slow", "slow"]
 
 
-@pytest.mark.parametrize("value, enabled", [("0", False), ("", False), ("1", True)])
+@pytest.mark.parametrize("value, enabled", [("0", False), ("", False), ("false", False),
+                                            ("Off", False), ("1", True)])
 def test_environment_switch(value, enabled):
     env = dict(os.environ, MOE_FN_FAST_LAUNCH=value)
     out = subprocess.run([sys.executable, "-c", "from moe_fn.kernels import _launch; "
@@ -230,3 +261,43 @@ def test_real_kernels_agree_on_both_paths_and_the_fast_one_engages(monkeypatch):
     assert not torch.equal(results[True, "aligned"], results[True, "misaligned"])
     live = [e for e in _launch._CACHE.values() if e is not None]
     assert len(live) >= 2, "the fast path never engaged on this Triton"
+
+
+_EDGE_VALUES = [0, 1, 2, 15, 16, 17, 48, -16, 2**31 - 1, 2**31, 2**31 + 16, -2**31,
+                -2**31 - 1, 2**63 - 1, 2**63, True, False, 1.5, None]
+
+
+def _triton_specialisation(a):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+def test_the_key_separates_everything_triton_s_own_specialisation_separates():
+    pytest.importorskip("triton._C.libtriton")
+    base = torch.zeros(64)
+    values = _EDGE_VALUES + [base, base[1:], base[4:], base.double(), base.bfloat16()[1:]]
+    for a in values:
+        for b in values:
+            if _launch._arg_key(a) == _launch._arg_key(b):
+                assert _triton_specialisation(a) == _triton_specialisation(b), (a, b)
+
+
+def test_hook_detection_on_this_triton():
+    knobs = pytest.importorskip("triton.knobs")
+    hook = knobs.runtime.launch_enter_hook
+    assert not _launch._hooks_set()
+    if hasattr(hook, "add"):
+        hook.add(print)
+        try:
+            assert _launch._hooks_set()
+        finally:
+            hook.remove(print)
+    else:
+        knobs.runtime.launch_enter_hook = print
+        try:
+            assert _launch._hooks_set()
+        finally:
+            knobs.runtime.launch_enter_hook = hook
+    assert not _launch._hooks_set()

@@ -266,11 +266,15 @@ def recompute_bench(have_deepep, results, tokens, reps):
             "saved_fraction_of_combine": saved / comb}
         say(f"recompute {backend}: skip saves {saved:.3f} ms (paired median) of a "
             f"{comb:.3f} ms combine")
-        try:  # diagnostics: their failure must not cost the sections after them
-            recompute_phases(backend, layers, x, dy, 2 * reps, results)
-            recompute_kernels(backend, [lambda lay=lay: step(lay) for lay in layers], results)
-        except Exception as e:  # noqa: BLE001
-            say(f"recompute {backend} diagnostics failed: {type(e).__name__}: {e}")
+        # Diagnostics: a failure of one must not cost the other or the sections after.
+        for name, diagnostic in (
+                ("phases", lambda: recompute_phases(backend, layers, x, dy, 2 * reps, results)),
+                ("kernels", lambda: recompute_kernels(
+                    backend, [lambda lay=lay: step(lay) for lay in layers], results))):
+            try:
+                diagnostic()
+            except Exception as e:  # noqa: BLE001
+                say(f"recompute {backend} {name} failed: {type(e).__name__}: {e}")
 
 
 _COMBINE_FWD = ("combine_fwd", "combine_weighted_fwd", "combine_row_weighted_fwd")
@@ -323,10 +327,14 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                 moe_fn.checkpoint(block(layer), x).backward(dy)
                 mark()
                 torch.cuda.synchronize()
+                # Forward: fn start, combine start and end, fn end; the recompute: fn start,
+                # its combine's two marks unless skipped, fn end; the backward's end.
+                expected = 9 if arm == 0 else 7
+                if len(marks) != expected:
+                    raise RuntimeError(f"arm {arm}: {len(marks)} marks, expected {expected}: "
+                                       "the layer's combine took another path")
                 if rep < 3:
                     continue
-                # Forward: fn start, [combine start, end], fn end; the recompute: fn start,
-                # [its combine, when not skipped], fn end; then the backward's end.
                 f0, f1 = marks[0], marks[3]
                 r0, r1 = marks[4], marks[-2]
                 ph = phases[arm]

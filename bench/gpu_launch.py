@@ -1,9 +1,11 @@
-"""Host time per launch: moe_fn's fast Triton launch against Triton's own launch path.
+"""Host time per call: moe_fn's fast Triton launch against Triton's own launch path.
 
 The GPU is kept busy by a long matmul queued first, so the host never waits for it and
-``time.perf_counter`` measures only host work: per kernel launch (small shapes), and per
-layer forward (the Qwen3-30B-A3B layer, 8192 tokens) and forward+backward, with
-``moe_fn.kernels._launch.ENABLED`` on and off in alternation.
+``time.perf_counter`` measures only host work: per kernel call (small shapes; the whole
+wrapper: argument checks, output allocation and the launch), and per layer forward (the
+Qwen3-30B-A3B layer, 8192 tokens) and forward+backward, with
+``moe_fn.kernels._launch.ENABLED`` on and off in alternation (two rounds of each; the
+lower of the two medians is reported).
 
     python bench/gpu_launch.py --out launch.json
 """

@@ -2,9 +2,9 @@
 
 ``kernel[grid](...)`` re-derives on every call what Triton compiles a kernel for (each
 argument's type, 16-byte alignment, divisibility by 16, whether an int is 1) through its
-generic binder, then looks the compiled kernel up. On the GPU hosts we measured a launch
-cost 30-100 µs of host time, and an eager layer forward's host time (0.7-1.5 ms) is of
-the order of its kernel time (1.4 ms), so launch cost decides whether the GPU waits.
+generic binder, then looks the compiled kernel up. On the GPU hosts we measured a kernel
+call cost 30-115 µs of host time, and an eager layer forward's host time (0.7-1.5 ms) is
+of the order of its kernel time (1.4 ms), so launch cost decides whether the GPU waits.
 ``launch`` keys its own cache on exactly those properties, computed directly, and after
 the first (ordinary, compiling) launch of a specialisation calls the compiled kernel's
 launcher itself.
@@ -30,8 +30,8 @@ except ImportError:  # a Triton without ``knobs`` cannot say whether hooks are s
 ENABLED = os.environ.get("MOE_FN_FAST_LAUNCH", "1").strip().lower() not in (
     "", "0", "false", "no", "off")
 
-# (kernel, device, constexprs/options, argument key) -> launcher tuple, or None for "use
-# Triton's path for this key".
+# (kernel, device, typed constexprs/options, argument keys, tune key, Triton's options) ->
+# launcher entry, or None for "use Triton's path for this key".
 _CACHE: dict = {}
 _I32 = 2**31
 _I64 = 2**63

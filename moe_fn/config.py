@@ -14,6 +14,7 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
+ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
 DEEPEP_MAX_HIDDEN = 8184
@@ -48,7 +49,12 @@ class MoEConfig:
     communication kernels use and that overlapped GEMMs leave free),
     ``all_to_all_dedup`` (``all_to_all`` only: send each token once per destination rank
     and sum its rows on the expert side, as DeepEP does, instead of one row per (token,
-    expert); fewer bytes, no longer bit-identical to one rank in bf16). Checkpointing:
+    expert); fewer bytes, no longer bit-identical to one rank in bf16),
+    ``all_to_all_transport`` (``all_to_all`` only: ``"collective"`` moves rows with
+    ``all_to_all_single``; ``"symm_mem"`` publishes them in torch symmetric memory and
+    each rank pulls the rows it needs over NVLink straight into place, one pass instead of
+    three — CUDA ranks of one host; on CPUs a gathering stand-in runs the same logic).
+    Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
     activations from the forward and is not recomputed, trading the memory of an unchecked
@@ -83,6 +89,7 @@ class MoEConfig:
     skip_recompute_combine: bool = False
     recompute_in_checkpoint: bool = True
     all_to_all_dedup: bool = False
+    all_to_all_transport: str = "collective"
 
     def __attrs_post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
@@ -101,6 +108,7 @@ class MoEConfig:
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
+        _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
         for name in ("norm_topk_prob", "score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",
                      "all_to_all_dedup"):
@@ -143,6 +151,18 @@ class MoEConfig:
             raise ValueError("combine_impl='fused' fuses the row-by-row all_to_all combine; "
                              "all_to_all_dedup=True sums each token's rows on the expert side "
                              "(always one pass): use combine_impl='eager' with it")
+        if self.all_to_all_transport != "collective":
+            if self.comm_backend != "all_to_all":
+                raise ValueError(
+                    f"all_to_all_transport={self.all_to_all_transport!r} is how "
+                    "comm_backend='all_to_all' moves rows; with comm_backend="
+                    f"{self.comm_backend!r} it would do nothing: leave it 'collective' or "
+                    "use comm_backend='all_to_all'")
+            if self.all_to_all_dedup:
+                raise ValueError(
+                    f"all_to_all_transport={self.all_to_all_transport!r} pulls one row per "
+                    "(token, expert); all_to_all_dedup=True sends tokens once over "
+                    "all_to_all_single: set one of them back to its default")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts})")

@@ -229,13 +229,20 @@ EP_CASES = [
 
 def _ep_body(rank, world, tokens_per_rank):
     # One process group runs every case: spawning processes dominates the test's time.
-    for dedup in (False, True):
+    for exchange_kw in EXCHANGES:
         for n, kw in enumerate(EP_CASES):
             kw = dict(kw)
             if kw["top_k"] == "E/ep":
                 kw["top_k"] = kw["num_experts"] // world
-            _ep_case(rank, world, kw, tokens_per_rank, 1234 + n,
-                     dict(all_to_all_dedup=dedup))
+            _ep_case(rank, world, kw, tokens_per_rank, 1234 + n, exchange_kw)
+
+
+# The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport
+# pulls from a gathering stand-in for symmetric memory: the same index logic).
+# The fused combine weights the rows at home (combine_weighted_fwd/bwd).
+EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
+             dict(all_to_all_transport="symm_mem", combine_impl="fused"),
+             dict(combine_impl="fused")]
 
 
 TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}

@@ -92,12 +92,13 @@ def _check_gradients(rank, world):
         assert float(layer.experts.down_proj.grad[1 % el].abs().sum()) == 0.0
 
 
-def _check_gradients_token_exchange(rank, world):
-    """The token-once all_to_all (all_to_all_dedup): the same guarantees."""
+def _check_gradients_other_exchange(rank, world, **exchange_kw):
+    """The token-once all_to_all (all_to_all_dedup) and the symm_mem transport: the same
+    guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
-        kw = dict(gate_up_impl=impl, skip_recompute_combine=skip, all_to_all_dedup=True)
+        kw = dict(gate_up_impl=impl, skip_recompute_combine=skip, **exchange_kw)
         serial = _grads(world, rank, mode, **kw)
         overlapped = _grads(world, rank, mode, overlap_weight_grad=True, **kw)
         for a, b in zip(serial, overlapped):
@@ -155,8 +156,12 @@ def _check_order_and_failure(rank, world, **kw):
 def _body(rank, world):
     _check_gradients(rank, world)
     _check_order_and_failure(rank, world)
-    _check_gradients_token_exchange(rank, world)
+    _check_gradients_other_exchange(rank, world, all_to_all_dedup=True)
     _check_order_and_failure(rank, world, all_to_all_dedup=True)
+    for combine_impl in ("eager", "fused"):
+        _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
+                                        combine_impl=combine_impl)
+    _check_order_and_failure(rank, world, all_to_all_transport="symm_mem")
 
 
 @pytest.mark.multiproc

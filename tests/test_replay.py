@@ -99,9 +99,9 @@ def _cfg(world, **kw):
 
 def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
-    cases = CASES
-    if exchange_kw.get("all_to_all_dedup"):  # it combines in its own one-pass sums
-        cases = [dict(c, **exchange_kw) for c in CASES if c.get("combine_impl") != "fused"]
+    cases = [dict(c, **exchange_kw) for c in CASES
+             # The token-once exchange combines in its own one-pass sums.
+             if not (exchange_kw.get("all_to_all_dedup") and c.get("combine_impl") == "fused")]
     for kw in cases:
         ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
         for mode, skip in [("reentrant", False), ("reentrant", True),
@@ -143,6 +143,7 @@ def test_replay_matches_unchecked_single_process():
 def _ep_body(rank, world):
     _check_cases(world, rank)
     _check_cases(world, rank, all_to_all_dedup=True)
+    _check_cases(world, rank, all_to_all_transport="symm_mem")
 
 
 @pytest.mark.multiproc

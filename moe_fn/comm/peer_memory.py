@@ -1,0 +1,221 @@
+"""Memory every rank of an expert-parallel group can read, and pulls out of it.
+
+``expose(rows, values[, index])`` publishes one tensor of rows (``rows[index]`` given an
+index) and one of values per rank;
+the returned ``PeerView`` lists every rank's published tensors as tensors this process
+can read. On CUDA the tensors live in one torch symmetric-memory buffer per (group,
+device), mapped into every rank's address space over NVLink, and exposing is a copy
+and one device-side barrier. On CPUs (gloo) a stand-in gathers every rank's
+tensors with ``all_gather``: slower, but the exchange built on it runs the same index
+logic, so CPU tests check it.
+
+The pulls build their output in final order in one pass (``moe_fn.kernels.peer`` on
+CUDA, plain indexing elsewhere).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..kernels._registry import use_triton
+from ..pure.dispatch import gather_sum_fwd, weighted_gather_sum_fwd
+
+_ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
+_GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
+
+
+@attrs.frozen(eq=False)
+class PeerView:
+    """What ``expose`` published: per rank, its rows ``(max_rows, width)`` (only the
+    first rows it exposed are meaningful) and its values ``(max_values,)`` or None."""
+
+    rank: int
+    rows: tuple | None
+    values: tuple | None
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class SymmetricPeerMemory:
+    """One symmetric-memory buffer for a group on one device (see the module docstring).
+
+    Every rank must call ``expose`` in the same order with the same ``max_rows`` /
+    ``max_values`` (the exchanges derive them from counts every rank has), as it would a
+    collective, and read what it exposed before its next ``expose``. Successive exposures
+    alternate between two halves of the buffer, so one barrier per exposure suffices:
+    the barrier after exposure N (every rank's copy complete before anyone reads it) is
+    reached by each rank only after its reads of exposure N-1, whose half exposure N+1
+    overwrites (stream order; a pull on a side stream is awaited before the next move)."""
+
+    def __init__(self, group, device: torch.device):
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as e:  # pragma: no cover - depends on the torch build
+            raise RuntimeError("all_to_all_transport='symm_mem' needs torch's symmetric "
+                               "memory (torch.distributed._symmetric_memory), which this "
+                               "torch build lacks: use all_to_all_transport='collective'") from e
+        self._symm = symm_mem
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._buf = None
+        self._hdl = None
+        self._half = 0  # bytes in each half
+        self._flip = 0
+        self._views: dict = {}
+
+    def _ensure(self, nbytes: int):
+        if self._buf is not None and self._half >= nbytes:
+            return
+        if self._hdl is not None:
+            # Every rank's reads of the old buffer are finished before anyone frees it.
+            self._hdl.barrier(channel=0)
+            torch.cuda.synchronize(self.device)
+        self._buf = self._hdl = None
+        self._views.clear()
+        self._half = _round(nbytes, _GROW)
+        buf = self._symm.empty(2 * self._half, dtype=torch.uint8, device=self.device)
+        self._hdl = self._symm.rendezvous(buf, self.group)
+        self._buf = buf
+
+    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
+        width = rows.shape[1] if rows is not None else 0
+        dtype = rows.dtype if rows is not None else torch.uint8
+        vdtype = values.dtype if values is not None else torch.uint8
+        rows_bytes = _round(max_rows * width * dtype.itemsize, _ALIGN)
+        self._ensure(rows_bytes + _round(max_values * vdtype.itemsize, _ALIGN))
+        self._flip ^= 1
+        at = self._flip * self._half
+        key = (id(self._buf), at, rows is not None, dtype, width, max_rows,
+               values is not None, vdtype, max_values)
+        views = self._views.get(key)
+        if views is None:
+            views = (
+                None if rows is None else tuple(
+                    self._hdl.get_buffer(r, (max_rows, width), dtype, at // dtype.itemsize)
+                    for r in range(self.size)),
+                None if values is None else tuple(
+                    self._hdl.get_buffer(r, (max_values,), vdtype,
+                                         (at + rows_bytes) // vdtype.itemsize)
+                    for r in range(self.size)))
+            self._views[key] = views
+        if rows is not None and index is not None:
+            kernels.gather_rows(rows, index, out=views[0][self.rank][:index.numel()])
+        elif rows is not None:
+            views[0][self.rank][:rows.shape[0]].copy_(rows)
+        if values is not None:
+            views[1][self.rank][:values.shape[0]].copy_(values)
+        self._hdl.barrier(channel=0)
+        return PeerView(self.rank, *views)
+
+
+class GatheredPeerMemory:
+    """The CPU stand-in: every rank's exposed tensors, padded to the agreed sizes,
+    gathered to every rank."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def _gather(self, t, n):
+        padded = t.new_zeros((n, *t.shape[1:]))
+        padded[:t.shape[0]] = t
+        out = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(out, padded, group=self.group)
+        return tuple(out)
+
+    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
+        if rows is not None and index is not None:
+            rows = rows.index_select(0, index)
+        return PeerView(self.rank,
+                        None if rows is None else self._gather(rows, max_rows),
+                        None if values is None else self._gather(values, max_values))
+
+
+_SHARED: dict = {}
+
+
+def peer_memory(group, device: torch.device):
+    """The group's peer memory on ``device``: one symmetric buffer shared by every
+    exchange of the group on CUDA (as DeepEP shares one ``Buffer``), the gathering
+    stand-in elsewhere."""
+    if device.type != "cuda":
+        return GatheredPeerMemory(group)
+    g = group if group is not None else dist.group.WORLD
+    key = (g.group_name, device)
+    mem = _SHARED.get(key)
+    if mem is None:
+        mem = _SHARED[key] = SymmetricPeerMemory(group, device)
+    return mem
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool = True,
+              num_programs: int | None = None):
+    """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (unless ``rows`` is
+    False) and ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
+    ``(out or None, vout or None)``. ``num_programs`` bounds the CUDA kernel's grid (the
+    SMs it may occupy, each program then running more warps; default: one program per
+    SM)."""
+    peers = view.rows if rows else None
+    ref = peers[view.rank] if peers is not None else view.values[view.rank]
+    if use_triton(ref) and not torch.compiler.is_compiling():
+        from ..kernels import peer
+
+        few = num_programs is not None
+        return peer.launch_pull_rows(peers, view.values, view.rank, src_rank, src_idx,
+                                row_div=row_div,
+                                num_programs=num_programs or _sm_count(ref.device),
+                                num_warps=peer.FEW_SMS_PULL_WARPS if few else None)
+    n = src_idx.numel()
+    out = None if peers is None else ref.new_empty((n, ref.shape[1]))
+    vout = None if view.values is None else view.values[view.rank].new_empty(n)
+    for s in range(len(view.values if peers is None else peers)):
+        at = (src_rank == s).nonzero().squeeze(1)
+        j = src_idx.index_select(0, at).long()
+        if out is not None:
+            out[at] = peers[s].index_select(0, j // row_div)
+        if vout is not None:
+            vout[at] = view.values[s].index_select(0, j)
+    return out, vout
+
+
+def pull_gather_sum(view: PeerView, src_rank, src_pos, top_k: int, weights=None, *,
+                    local=None, values_pos=None, num_programs: int | None = None):
+    """``out[t] = sum_j [weights[t*k+j] *] row(t*k+j)`` with float32 accumulation for half
+    types, as ``gather_sum_fwd``, where ``row(i) = view.rows[src_rank[i]][src_pos[i]]``, or
+    ``local[src_pos[i]]`` for this rank's rows when ``local`` is given; with values, also
+    ``vout[i] = view.values[src_rank[i]][values_pos[i]]`` (default ``src_pos``). Returns
+    ``(out, vout or None)``."""
+    ref = view.rows[view.rank]
+    if use_triton(ref) and not torch.compiler.is_compiling():
+        from ..kernels import peer
+
+        few = num_programs is not None
+        return peer.launch_pull_gather_sum(
+            view.rows, view.values, view.rank, src_rank, src_pos, top_k, weights, local=local,
+            values_pos=values_pos, num_programs=num_programs or 2 * _sm_count(ref.device),
+            tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
+            num_warps=peer.FEW_SMS_SUM_WARPS if few else None)
+    rows = view.rows
+    if local is not None:
+        rows = rows[:view.rank] + (local,) + rows[view.rank + 1:]
+    gathered, _ = pull_rows(PeerView(view.rank, rows, None), src_rank, src_pos)
+    vout = None
+    if view.values is not None:
+        _, vout = pull_rows(PeerView(view.rank, None, view.values), src_rank,
+                            src_pos if values_pos is None else values_pos, rows=False)
+    order = torch.arange(gathered.shape[0], device=gathered.device)
+    if weights is None:
+        return gather_sum_fwd(gathered, order, top_k)[0], vout
+    return weighted_gather_sum_fwd(gathered, order, weights, top_k)[0], vout

@@ -50,17 +50,20 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     def layout(self, plan: RoutePlan) -> PeerRowsHandle:
         self.counters["layout"] += 1
         ep, el, me, k = self.ep_size, self.num_local_experts, self.rank, plan.top_k
-        gathered = [torch.empty_like(plan.counts) for _ in range(ep)]
-        dist.all_gather(gathered, plan.counts.contiguous(), group=self.group)
-        c = torch.stack(gathered)  # (ep, E): rows each rank sends to each expert
+        c = plan.counts.new_empty(ep * self.num_experts)
+        dist.all_gather_into_tensor(c, plan.counts.contiguous(), group=self.group)
+        c = c.view(ep, -1)  # (ep, E): rows each rank sends to each expert
         by_rank = c.reshape(ep, ep, el)  # [source, owner, local expert]
         recv = by_rank[:, me]  # (ep, E_local) rows from each source for my experts
         rows_of = by_rank.sum((0, 2))  # expert rows each rank computes
         ranks = torch.arange(ep, device=c.device)
         own_of = by_rank[ranks, ranks].sum(1)  # of which from the rank's own tokens
-        # One host sync: the index exchange's split sizes and the exposed sizes.
         sizes = torch.cat([recv.sum(1), by_rank[me].sum(1), (c.sum(1) // k).max()[None],
-                           rows_of.max()[None], (rows_of - own_of).max()[None]]).tolist()
+                           rows_of.max()[None], (rows_of - own_of).max()[None]])
+        # Queued before the host sync, so the GPU computes it while the host waits.
+        home = self._home_side(plan, c)
+        # One host sync: the index exchange's split sizes and the exposed sizes.
+        sizes = sizes.tolist()
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         max_tokens, max_rows, max_remote_rows = sizes[2 * ep:]
         n = sum(recv_splits)
@@ -70,34 +73,38 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         dist.all_to_all_single(recv_flat, plan.perm, recv_splits, send_splits,
                                group=self.group)
         v, src = expert_major_sources(recv, n)
-        # Home side: row (t, j) at sorted position p of expert e lands on e's owner at
-        # (start of block (e, this rank) there) + (p - start of e in this rank's order).
-        tot = c.sum(0).reshape(ep, el)
-        exp_start = (torch.cumsum(tot, 1) - tot).flatten()
-        before_me = c[:me].sum(0)  # rows of each expert from lower ranks
-        my_start = plan.offs.long() - plan.counts
-        base = exp_start + before_me - my_start
-        experts = plan.topk_idx.flatten()
-        home_pos = base.index_select(0, experts) + plan.inv_perm
-        # An owner exposes only the rows other ranks need (its own tokens' rows are read
-        # where they are): in its expert-major order without the blocks of its own
-        # tokens. Rows before block (e, this rank) there that are the owner's own: its
-        # rows of the owner's earlier experts, and of e itself if the owner comes first.
-        owner = torch.arange(self.num_experts, device=c.device) // el
-        own = c[owner, torch.arange(self.num_experts, device=c.device)].reshape(ep, el)
-        own_before = (torch.cumsum(own, 1) - own + own * (ranks < me)[:, None]).flatten()
-        own_before[me * el:(me + 1) * el] = 0  # this rank reads its own rows in place
-        home_cpos = (base - own_before).index_select(0, experts) + plan.inv_perm
         # Expert-major positions of the rows from other ranks, in order (a stable sort:
         # no host sync).
         remote_rows = torch.sort((src == me).to(torch.int8), stable=True).indices[
             :n - recv_splits[me]]
         return PeerRowsHandle(
             plan=plan, src_rank=src.to(torch.int32), src_flat=recv_flat.index_select(0, v),
-            home_rank=(experts // el).to(torch.int32), home_pos=home_pos,
-            home_cpos=home_cpos, remote_rows=remote_rows,
-            local_offs=torch.cumsum(tot[me], 0).to(torch.int32), num_rows=n,
-            max_tokens=max_tokens, max_rows=max_rows, max_remote_rows=max_remote_rows)
+            remote_rows=remote_rows, num_rows=n, max_tokens=max_tokens, max_rows=max_rows,
+            max_remote_rows=max_remote_rows, **home)
+
+    def _home_side(self, plan: RoutePlan, c: torch.Tensor) -> dict:
+        """Where this rank's (token, k) rows sit on the ranks computing them, from the
+        gathered counts ``c (ep, E)`` alone (no host ints)."""
+        ep, el, me = self.ep_size, self.num_local_experts, self.rank
+        # Row (t, j) at sorted position p of expert e lands on e's owner at (start of
+        # block (e, this rank) there) + (p - start of e in this rank's order).
+        tot = c.sum(0).reshape(ep, el)
+        exp_start = (torch.cumsum(tot, 1) - tot).flatten()
+        base = exp_start + c[:me].sum(0) - (plan.offs.long() - plan.counts)
+        experts = plan.topk_idx.flatten()
+        # An owner exposes only the rows other ranks need (its own tokens' rows are read
+        # where they are): in its expert-major order without the blocks of its own
+        # tokens. Rows before block (e, this rank) there that are the owner's own: its
+        # rows of the owner's earlier experts, and of e itself if the owner comes first.
+        e_all = torch.arange(self.num_experts, device=c.device)
+        own = c[e_all // el, e_all].reshape(ep, el)
+        ranks = torch.arange(ep, device=c.device)[:, None]
+        # (This rank reads its own rows in place: nothing to subtract there.)
+        own_before = torch.where(ranks == me, 0,
+                                 torch.cumsum(own, 1) - own + own * (ranks < me)).flatten()
+        pos = torch.stack([base, base - own_before]).index_select(1, experts) + plan.inv_perm
+        return dict(home_rank=(experts // el).to(torch.int32), home_pos=pos[0],
+                    home_cpos=pos[1], local_offs=torch.cumsum(tot[me], 0).to(torch.int32))
 
     # ---- token rows -> expert rows -------------------------------------------------------
     def _to_experts(self, token_rows, values, h: PeerRowsHandle):

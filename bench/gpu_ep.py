@@ -66,9 +66,15 @@ def timed(fn, reps=20, warmup=5):
     return statistics.median(time_once(fn) for _ in range(reps))
 
 
+ONLY_BACKENDS = None  # --backends: a subset to run
+
+
 def backends(have_deepep):
-    # "all_to_all_dedup": all_to_all sending each token once per rank (all_to_all_dedup).
-    return ["all_to_all", "all_to_all_dedup"] + (["deepep"] if have_deepep else [])
+    # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
+    # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
+    names = (["all_to_all", "all_to_all_symm", "all_to_all_dedup"]
+             + (["deepep"] if have_deepep else []))
+    return [b for b in names if ONLY_BACKENDS is None or b in ONLY_BACKENDS]
 
 
 @functools.cache
@@ -88,6 +94,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     gu = torch.randn(e, 2 * full.intermediate_size, full.hidden_size, device="cuda") * 0.02
     dn = torch.randn(e, full.hidden_size, full.intermediate_size, device="cuda") * 0.02
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
+    if backend == "all_to_all_symm":
+        backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
     if backend == "all_to_all_dedup":
@@ -199,7 +207,10 @@ def layer_bench(have_deepep, results, tokens, reps):
                                                                                        reps)
         # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
         # not kept locally.
-        if backend.startswith("all_to_all"):
+        if backend == "all_to_all_symm":  # the route's rows for other ranks' experts
+            per_rank = plan.counts.reshape(WORLD, -1).sum(1).tolist()
+            sent_rows = sum(per_rank) - per_rank[RANK]
+        elif backend.startswith("all_to_all"):
             sent_rows = sum(handle.send_splits) - handle.send_splits[RANK]
         else:  # DeepEP receives this rank's own tokens too: count only the others'
             el = layer.config.num_local_experts
@@ -430,7 +441,8 @@ def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
         # all_to_all: the backward combine's gathers on a side stream (the library's
         # default) or on the compute stream around NCCL's asynchronous transfer.
-        modes = (True, False) if backend.startswith("all_to_all") else (None,)
+        # (The symm_mem transport's pulls are kernels of their own: side stream only.)
+        modes = (True, False) if backend in ("all_to_all", "all_to_all_dedup") else (None,)
         for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
             arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
@@ -517,6 +529,11 @@ def serial_pieces_in_place(layer, x, dy, reps):
     return statistics.median(times["dw"]), statistics.median(times["comb"])
 
 
+# Kernels that move rows between ranks: NCCL's, DeepEP's, and the symm_mem transport's
+# pulls and barriers.
+_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier")
+
+
 def trace_overlap(layer, x, dy, results, backend):
     """Time during which a communication kernel and a grouped GEMM ran at once (rank 0)."""
     from torch.profiler import ProfilerActivity, profile
@@ -535,7 +552,7 @@ def trace_overlap(layer, x, dy, results, backend):
             continue
         name = ev.name.lower()
         span = (ev.time_range.start, ev.time_range.end)
-        if "nccl" in name or "deep_ep" in name or "intranode" in name or "combine" in name:
+        if any(k in name for k in _COMM_KERNELS) or "combine" in name:
             comm.append(span)
         elif "cutlass" in name or "gemm" in name:
             gemm.append(span)
@@ -545,19 +562,23 @@ def trace_overlap(layer, x, dy, results, backend):
                "concurrent_us": both,
                "comm_kernels": sorted({e.name[:60] for e in prof.events()
                                        if any(k in e.name.lower() for k in
-                                              ("nccl", "deep_ep", "intranode"))})[:6]}
+                                              _COMM_KERNELS)})[:6]}
     results["overlap"][f"{backend} trace"] = summary
     say(f"trace {backend}: {summary}")
 
 
 def main():
-    global RANK, WORLD
+    global RANK, WORLD, ONLY_BACKENDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated subset of all_to_all, all_to_all_symm, "
+                         "all_to_all_dedup, deepep")
     a = ap.parse_args()
+    ONLY_BACKENDS = a.backends.split(",") if a.backends else None
     dist.init_process_group("nccl")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", RANK)))

@@ -30,11 +30,17 @@ _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
 @attrs.frozen(eq=False)
 class PeerView:
     """What ``expose`` published: per rank, its rows ``(max_rows, width)`` (only the
-    first rows it exposed are meaningful) and its values ``(max_values,)`` or None."""
+    first rows it exposed are meaningful) and its values ``(max_values,)`` or None.
+    In symmetric memory also the peers' offsets from this rank's tensors, in elements
+    (``rows_offsets``, ``values_offsets``: int64 tensors on the device) and in bytes
+    (``byte_offsets``), the same for every exposure of one buffer."""
 
     rank: int
     rows: tuple | None
     values: tuple | None
+    rows_offsets: torch.Tensor | None = None
+    values_offsets: torch.Tensor | None = None
+    byte_offsets: tuple | None = None
 
 
 def _round(n: int, to: int) -> int:
@@ -68,7 +74,9 @@ class SymmetricPeerMemory:
         self._hdl = None
         self._half = 0  # bytes in each half
         self._flip = 0
-        self._views: dict = {}
+        self._flat: dict = {}  # (half, dtype) -> every rank's half as a flat tensor
+        self._offsets: dict = {}  # element size -> peers' element offsets (device)
+        self._bytes: tuple = ()
 
     def _ensure(self, nbytes: int):
         if self._buf is not None and self._half >= nbytes:
@@ -78,11 +86,40 @@ class SymmetricPeerMemory:
             self._hdl.barrier(channel=0)
             torch.cuda.synchronize(self.device)
         self._buf = self._hdl = None
-        self._views.clear()
-        self._half = _round(nbytes, _GROW)
+        self._flat.clear()
+        self._offsets.clear()
+        self._half = _round(max(nbytes, 1), _GROW)
         buf = self._symm.empty(2 * self._half, dtype=torch.uint8, device=self.device)
-        self._hdl = self._symm.rendezvous(buf, self.group)
+        try:
+            self._hdl = self._symm.rendezvous(buf, self.group)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "all_to_all_transport='symm_mem' could not map the ranks' buffers into each "
+                f"other ({e}); it needs CUDA ranks of one host with peer access (NVLink): "
+                "use all_to_all_transport='collective' elsewhere") from e
         self._buf = buf
+        ptrs = list(self._hdl.buffer_ptrs)
+        self._bytes = tuple(p - ptrs[self.rank] for p in ptrs)
+
+    def _halves(self, at: int, dtype: torch.dtype) -> tuple:
+        key = (at, dtype)
+        flat = self._flat.get(key)
+        if flat is None:
+            es = dtype.itemsize
+            flat = self._flat[key] = tuple(
+                self._hdl.get_buffer(r, (self._half // es,), dtype, at // es)
+                for r in range(self.size))
+        return flat
+
+    def _element_offsets(self, es: int) -> torch.Tensor:
+        # A peer's offset does not depend on where in the buffer a region starts.
+        d = self._offsets.get(es)
+        if d is None:
+            if any(b % es for b in self._bytes):
+                raise RuntimeError(f"symmetric buffers {self._bytes} bytes apart")
+            d = self._offsets[es] = torch.tensor([b // es for b in self._bytes],
+                                                 dtype=torch.int64, device=self.device)
+        return d
 
     def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
         width = rows.shape[1] if rows is not None else 0
@@ -92,27 +129,23 @@ class SymmetricPeerMemory:
         self._ensure(rows_bytes + _round(max_values * vdtype.itemsize, _ALIGN))
         self._flip ^= 1
         at = self._flip * self._half
-        key = (id(self._buf), at, rows is not None, dtype, width, max_rows,
-               values is not None, vdtype, max_values)
-        views = self._views.get(key)
-        if views is None:
-            views = (
-                None if rows is None else tuple(
-                    self._hdl.get_buffer(r, (max_rows, width), dtype, at // dtype.itemsize)
-                    for r in range(self.size)),
-                None if values is None else tuple(
-                    self._hdl.get_buffer(r, (max_values,), vdtype,
-                                         (at + rows_bytes) // vdtype.itemsize)
-                    for r in range(self.size)))
-            self._views[key] = views
-        if rows is not None and index is not None:
-            kernels.gather_rows(rows, index, out=views[0][self.rank][:index.numel()])
-        elif rows is not None:
-            views[0][self.rank][:rows.shape[0]].copy_(rows)
+        peer_rows = peer_vals = None
+        if rows is not None:
+            peer_rows = tuple(f[:max_rows * width].view(max_rows, width)
+                              for f in self._halves(at, dtype))
+            if index is not None:
+                kernels.gather_rows(rows, index, out=peer_rows[self.rank][:index.numel()])
+            else:
+                peer_rows[self.rank][:rows.shape[0]].copy_(rows)
         if values is not None:
-            views[1][self.rank][:values.shape[0]].copy_(values)
+            v0 = rows_bytes // vdtype.itemsize
+            peer_vals = tuple(f[v0:v0 + max_values] for f in self._halves(at, vdtype))
+            peer_vals[self.rank][:values.shape[0]].copy_(values)
         self._hdl.barrier(channel=0)
-        return PeerView(self.rank, *views)
+        return PeerView(self.rank, peer_rows, peer_vals,
+                        None if rows is None else self._element_offsets(dtype.itemsize),
+                        None if values is None else self._element_offsets(vdtype.itemsize),
+                        self._bytes)
 
 
 class GatheredPeerMemory:
@@ -145,15 +178,23 @@ _SHARED: dict = {}
 def peer_memory(group, device: torch.device):
     """The group's peer memory on ``device``: one symmetric buffer shared by every
     exchange of the group on CUDA (as DeepEP shares one ``Buffer``), the gathering
-    stand-in elsewhere."""
+    stand-in elsewhere. ``release_peer_memory()`` frees the buffers."""
     if device.type != "cuda":
         return GatheredPeerMemory(group)
     g = group if group is not None else dist.group.WORLD
-    key = (g.group_name, device)
-    mem = _SHARED.get(key)
-    if mem is None:
-        mem = _SHARED[key] = SymmetricPeerMemory(group, device)
-    return mem
+    # Keyed by the group object, held here: a group created after another was destroyed
+    # (whose name may repeat) gets its own buffer.
+    key = (id(g), device)
+    entry = _SHARED.get(key)
+    if entry is None or entry[0] is not g:
+        entry = _SHARED[key] = (g, SymmetricPeerMemory(group, device))
+    return entry[1]
+
+
+def release_peer_memory() -> None:
+    """Forget every symmetric buffer (call on every rank, with nothing in flight, e.g.
+    before ``destroy_process_group``); exchanges built before re-create theirs."""
+    _SHARED.clear()
 
 
 def _sm_count(device) -> int:
@@ -173,20 +214,27 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool
         from ..kernels import peer
 
         few = num_programs is not None
-        return peer.launch_pull_rows(peers, view.values, view.rank, src_rank, src_idx,
-                                row_div=row_div,
-                                num_programs=num_programs or _sm_count(ref.device),
-                                num_warps=peer.FEW_SMS_PULL_WARPS if few else None)
+        return peer.launch_pull_rows(
+            peers, view.values, view.rank, src_rank, src_idx, row_div=row_div,
+            num_programs=num_programs or _sm_count(ref.device),
+            num_warps=peer.FEW_SMS_PULL_WARPS if few else None,
+            rows_offsets=view.rows_offsets if peers is not None else None,
+            values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
+    # Every peer's candidate for every row, kept where the row comes from that peer: no
+    # host sync (the plain path also serves float64 on CUDA).
     n = src_idx.numel()
-    out = None if peers is None else ref.new_empty((n, ref.shape[1]))
-    vout = None if view.values is None else view.values[view.rank].new_empty(n)
+    j = src_idx.long()
+    out = None if peers is None else ref.new_zeros((n, ref.shape[1]))
+    vout = None if view.values is None else view.values[view.rank].new_zeros(n)
     for s in range(len(view.values if peers is None else peers)):
-        at = (src_rank == s).nonzero().squeeze(1)
-        j = src_idx.index_select(0, at).long()
+        here = src_rank == s
         if out is not None:
-            out[at] = peers[s].index_select(0, j // row_div)
-        if vout is not None:
-            vout[at] = view.values[s].index_select(0, j)
+            r = (j // row_div).clamp(0, max(peers[s].shape[0] - 1, 0))
+            if peers[s].shape[0]:
+                out = torch.where(here[:, None], peers[s].index_select(0, r), out)
+        if vout is not None and view.values[s].shape[0]:
+            v = view.values[s].index_select(0, j.clamp(0, view.values[s].shape[0] - 1))
+            vout = torch.where(here, v, vout)
     return out, vout
 
 
@@ -206,7 +254,8 @@ def pull_gather_sum(view: PeerView, src_rank, src_pos, top_k: int, weights=None,
             view.rows, view.values, view.rank, src_rank, src_pos, top_k, weights, local=local,
             values_pos=values_pos, num_programs=num_programs or 2 * _sm_count(ref.device),
             tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
-            num_warps=peer.FEW_SMS_SUM_WARPS if few else None)
+            num_warps=peer.FEW_SMS_SUM_WARPS if few else None, rows_offsets=view.rows_offsets,
+            values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
     rows = view.rows
     if local is not None:
         rows = rows[:view.rank] + (local,) + rows[view.rank + 1:]

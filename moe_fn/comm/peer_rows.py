@@ -7,8 +7,9 @@ into destination order, the collective's copies, the receiver's gather into expe
 order). Here the sender only publishes what it has (``expose``: its token rows, or its
 expert rows, as they are) and the receiver pulls (``moe_fn.comm.peer_memory``): the
 dispatch writes expert-major rows directly, the combine sums each token's k rows as it
-reads them. The layout is the all_to_all's (one counts exchange and one host sync) plus
-one small all_to_all of row indices.
+reads them. The layout gathers every rank's per-expert counts (one small collective and
+one host sync, as the all_to_all's layout exchanges its counts) and sends each rank the
+flattened (token, k) indices of the rows it will pull, in one small all_to_all of ints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending
 from .peer_memory import peer_memory, pull_gather_sum, pull_rows
 from .sorted_rows import expert_major_sources
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class PeerRowsExchange(AllToAllTransport, Exchange):
@@ -51,7 +55,7 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         self.counters["layout"] += 1
         ep, el, me, k = self.ep_size, self.num_local_experts, self.rank, plan.top_k
         c = plan.counts.new_empty(ep * self.num_experts)
-        dist.all_gather_into_tensor(c, plan.counts.contiguous(), group=self.group)
+        _all_gather(c, plan.counts.contiguous(), group=self.group)
         c = c.view(ep, -1)  # (ep, E): rows each rank sends to each expert
         by_rank = c.reshape(ep, ep, el)  # [source, owner, local expert]
         recv = by_rank[:, me]  # (ep, E_local) rows from each source for my experts

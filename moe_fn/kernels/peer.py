@@ -6,10 +6,13 @@ final order in one pass, reading each row from whichever rank holds it. That rem
 send-side gather, the collective's copies and the arrival gather of an all_to_all.
 
 Peers are addressed by element offsets from one local tensor (``ref``): the kernels add
-``delta[rank] + row * width`` to ``ref``'s pointer. The offsets are kept multiples of 16
-bytes (checked), so Triton can still vectorise the row copies, which it cannot for a
-pointer loaded from memory. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
-tensors, where the "peers" are ordinary tensors of one process.
+``delta[rank] + row * row_stride`` to ``ref``'s pointer. The offsets are checked to be
+multiples of ``VEC`` elements (up to 16 bytes) and row strides are passed in units of
+``VEC`` (as in ``gather_sum``), so Triton can still vectorise the row copies, which it
+cannot for a pointer loaded from memory. The offsets can be given (symmetric memory:
+one table per buffer) or are derived from the peer tensors. Under ``TRITON_INTERPRET=1``
+the same kernels run on CPU tensors, where the "peers" are ordinary tensors of one
+process.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch, next_pow2
+from .gather_sum import _vec
 
 _BLOCK_C = 2048
 # Rows per program step of the pull, tokens per step of the pull-sum, and warps, from a
@@ -33,7 +37,7 @@ _DELTAS: dict = {}
 
 @triton.jit
 def _pull_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, out_ptr, vout_ptr,
-                      n, width, s_o, ROW_DIV: tl.constexpr, HAS_ROWS: tl.constexpr,
+                      n, width, s_r, s_o, ROW_DIV: tl.constexpr, HAS_ROWS: tl.constexpr,
                       HAS_VALS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
                       VEC: tl.constexpr):
     pid = tl.program_id(0)
@@ -48,8 +52,8 @@ def _pull_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, out_
             v = tl.load(vref + vd + j, mask=mi)
         if HAS_ROWS:
             d = tl.multiple_of(tl.load(rows_delta + s, mask=mi, other=0), VEC)
-            src = ref + (d + (j // ROW_DIV) * width)[:, None]
-            dst = out_ptr + (i.to(tl.int64) * s_o)[:, None]
+            src = ref + (d + (j // ROW_DIV) * (s_r * VEC))[:, None]
+            dst = out_ptr + (i.to(tl.int64) * (s_o * VEC))[:, None]
             for c0 in range(0, width, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 m = mi[:, None] & (cols < width)[None, :]
@@ -60,8 +64,8 @@ def _pull_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, out_
 
 @triton.jit
 def _pull_gather_sum_kernel(ref, rows_delta, vref, vals_delta, local_ptr, me, rank_ptr,
-                            pos_ptr, vpos_ptr, w_ptr, out_ptr, vout_ptr, n_tok, width, s_l,
-                            s_o, K: tl.constexpr, HAS_W: tl.constexpr, HAS_VALS: tl.constexpr,
+                            pos_ptr, vpos_ptr, w_ptr, out_ptr, vout_ptr, n_tok, width, s_r,
+                            s_l, s_o, K: tl.constexpr, HAS_W: tl.constexpr, HAS_VALS: tl.constexpr,
                             TOK: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
     # TOK tokens a step, so that K * TOK rows are in flight per program (reads over
     # NVLink have microseconds of latency). Rows of rank ``me`` are read from
@@ -79,13 +83,13 @@ def _pull_gather_sum_kernel(ref, rows_delta, vref, vals_delta, local_ptr, me, ra
                 s = tl.load(rank_ptr + t * K + j, mask=mt, other=0)
                 p = tl.load(pos_ptr + t * K + j, mask=mt, other=0).to(tl.int64)
                 d = tl.multiple_of(tl.load(rows_delta + s, mask=mt, other=0), VEC)
-                src = tl.where((s == me)[:, None], local_ptr + (p * s_l)[:, None],
-                               ref + (d + p * width)[:, None])
+                src = tl.where((s == me)[:, None], local_ptr + (p * (s_l * VEC))[:, None],
+                               ref + (d + p * (s_r * VEC))[:, None])
                 v = tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 if HAS_W:
                     v = v * tl.load(w_ptr + t * K + j, mask=mt, other=0.0).to(tl.float32)[:, None]
                 acc += v
-            tl.store(out_ptr + (t * s_o)[:, None] + cols[None, :],
+            tl.store(out_ptr + (t * (s_o * VEC))[:, None] + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m)
         if HAS_VALS:
             for j in tl.static_range(K):
@@ -95,98 +99,139 @@ def _pull_gather_sum_kernel(ref, rows_delta, vref, vals_delta, local_ptr, me, ra
                 tl.store(vout_ptr + t * K + j, tl.load(vref + vd + p, mask=mt), mask=mt)
 
 
-def _deltas(peers, rank: int, vec: int) -> torch.Tensor:
+def deltas(peers, rank: int) -> torch.Tensor:
     """Element offsets of every peer tensor from ``peers[rank]`` as an int64 tensor on its
-    device, cached: the exposed regions stay where they are between calls."""
+    device, cached by the tensors' addresses (the exposed regions stay where they are)."""
     ref = peers[rank]
     key = (ref.device, ref.dtype, tuple(p.data_ptr() for p in peers), rank)
     d = _DELTAS.get(key)
     if d is None:
         es = ref.element_size()
         diffs = [p.data_ptr() - ref.data_ptr() for p in peers]
-        if any(x % (es * vec) for x in diffs):
-            raise ValueError(f"peer regions must lie a multiple of {es * vec} bytes apart, got "
-                             f"offsets {diffs}")
+        if any(x % es for x in diffs):
+            raise ValueError(f"peer tensors must lie a whole number of elements apart, got "
+                             f"byte offsets {diffs}")
         d = torch.tensor([x // es for x in diffs], dtype=torch.int64, device=ref.device)
-        if len(_DELTAS) > 64:  # regions are re-allocated only when a buffer grows
+        if len(_DELTAS) > 64:
             _DELTAS.clear()
         _DELTAS[key] = d
     return d
 
 
-def _vec(width: int, t: torch.Tensor) -> int:
-    v = max(1, 16 // t.element_size())
-    while v > 1 and width % v:
-        v //= 2
-    return v
+def _peer_args(peers, rank, name, offsets):
+    ref = peers[rank]
+    for p in peers:
+        if (p.dtype != ref.dtype or p.device != ref.device or p.shape[1:] != ref.shape[1:]
+                or not p.is_contiguous()):
+            got = [(tuple(q.shape), q.dtype, q.is_contiguous()) for q in peers]
+            raise ValueError(f"{name} must be contiguous tensors of one dtype, device and row "
+                             f"width, got {got}")
+    return ref, (offsets if offsets is not None else deltas(peers, rank))
+
+
+def _aligned_vec(ref, byte_offsets, *strides) -> int:
+    """``_vec`` over the row strides, lowered until the peers' offsets are multiples too."""
+    vec = _vec(ref, *strides)
+    while vec > 1 and any(b % (vec * ref.element_size()) for b in byte_offsets):
+        vec //= 2
+    return vec
+
+
+def _index(t):
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def launch_pull_rows(rows, values, rank: int, src_rank, src_idx, *, row_div: int = 1,
                      num_programs: int, rows_per_program: int | None = None,
-                     num_warps: int | None = None):
+                     num_warps: int | None = None, rows_offsets=None, values_offsets=None,
+                     byte_offsets=None):
     """``out[i] = rows[src_rank[i]][src_idx[i] // row_div]`` and, with ``values``,
     ``vout[i] = values[src_rank[i]][src_idx[i]]``. ``rows``/``values``: one contiguous
     tensor per rank (this process addresses all of them), either may be None; ``rank`` is
-    this rank's index. Returns ``(out (n, width) or None, vout (n,) or None)``."""
+    this rank's index. ``*_offsets``: the peers' element offsets from this rank's tensor
+    (``deltas``), and ``byte_offsets`` the rows' in bytes, when the caller knows them.
+    Returns ``(out (n, width) or None, vout (n,) or None)``."""
     n = src_idx.numel()
-    out = rows[rank].new_empty((n, rows[rank].shape[1])) if rows is not None else None
-    vout = values[rank].new_empty(n) if values is not None else None
+    if src_rank.numel() != n:
+        raise ValueError(f"src_rank and src_idx must have one entry per row, got "
+                         f"{src_rank.numel()} and {n}")
+    src_rank, src_idx = _index(src_rank), _index(src_idx)
+    out = vout = None
+    if rows is not None:
+        ref, rows_offsets = _peer_args(rows, rank, "rows", rows_offsets)
+        width = ref.shape[1]
+        out = ref.new_empty((n, width))
+    if values is not None:
+        vref, values_offsets = _peer_args(values, rank, "values", values_offsets)
+        vout = vref.new_empty(n)
     if n == 0 or (rows is None and values is None):
         return out, vout
-    if rows is not None:
-        ref, width = rows[rank], rows[rank].shape[1]
-        vec = _vec(width, ref)
-        deltas = _deltas(rows, rank, vec)
+    if rows is None:
+        ref, width, vec, rows_offsets = vref, 0, 1, values_offsets
     else:
-        ref, width, vec = values[rank], 0, 1
-        deltas = _deltas(values, rank, 1)
-    vref = values[rank] if values is not None else ref
-    vdeltas = _deltas(values, rank, 1) if values is not None else deltas
+        if byte_offsets is None:
+            byte_offsets = [p.data_ptr() - ref.data_ptr() for p in rows]
+        vec = _aligned_vec(ref, byte_offsets, width)
+    if values is None:
+        vref, values_offsets = ref, rows_offsets
     block = min(_BLOCK_C, next_pow2(max(width, 1)))
     dummy = out if out is not None else vout
     per = rows_per_program or PULL_ROWS
     launch(_pull_rows_kernel, (max(1, min(num_programs, cdiv(n, per))),),
-           ref, deltas, vref, vdeltas, src_rank, src_idx, dummy,
-           vout if vout is not None else dummy, n, width, width, ROW_DIV=row_div,
-           HAS_ROWS=rows is not None, HAS_VALS=values is not None, ROWS=per, BLOCK_C=block,
-           VEC=vec, num_warps=num_warps or (PULL_WARPS if block >= 1024 else 4))
+           ref, rows_offsets, vref, values_offsets, src_rank, src_idx, dummy,
+           vout if vout is not None else dummy, n, width, width // vec, width // vec,
+           ROW_DIV=row_div, HAS_ROWS=rows is not None, HAS_VALS=values is not None, ROWS=per,
+           BLOCK_C=block, VEC=vec,
+           num_warps=num_warps or (PULL_WARPS if block >= 1024 else 4))
     return out, vout
 
 
 def launch_pull_gather_sum(rows, values, rank: int, src_rank, src_pos, top_k: int,
                            weights=None, *, local=None, values_pos=None, num_programs: int,
                            tokens_per_program: int | None = None, block_c: int | None = None,
-                           num_warps: int | None = None):
+                           num_warps: int | None = None, rows_offsets=None,
+                           values_offsets=None, byte_offsets=None):
     """``out[t] = sum_j [weights[t*k+j] *] row(t*k+j)`` (float32 accumulation) where
     ``row(i) = rows[src_rank[i]][src_pos[i]]``, or ``local[src_pos[i]]`` when
     ``src_rank[i]`` is ``rank`` and ``local`` is given (rows this rank never exposed);
     with ``values``, ``vout[i] = values[src_rank[i]][values_pos[i]]`` (default
-    ``src_pos``)."""
-    ref = rows[rank]
+    ``src_pos``). Offsets as in ``launch_pull_rows``."""
+    ref, rows_offsets = _peer_args(rows, rank, "rows", rows_offsets)
     width = ref.shape[1]
+    if top_k < 1 or src_pos.numel() % top_k or src_rank.numel() != src_pos.numel():
+        raise ValueError(f"src_rank and src_pos must hold top_k ({top_k}) entries per token, "
+                         f"got {src_rank.numel()} and {src_pos.numel()}")
+    if values_pos is not None and values_pos.numel() != src_pos.numel():
+        raise ValueError("values_pos must have one entry per src_pos entry")
+    if local is not None and (local.dim() != 2 or local.shape[1] != width
+                              or local.stride(-1) != 1 or local.dtype != ref.dtype
+                              or local.device != ref.device):
+        raise ValueError(f"local rows must be (*, {width}) {ref.dtype} on {ref.device} with "
+                         f"contiguous columns, got {tuple(local.shape)} {local.dtype}")
     n_tok = src_pos.numel() // top_k
     out = ref.new_empty((n_tok, width))
-    vout = values[rank].new_empty(n_tok * top_k) if values is not None else None
+    vout = None
+    if values is not None:
+        vref, values_offsets = _peer_args(values, rank, "values", values_offsets)
+        vout = vref.new_empty(n_tok * top_k)
+    else:
+        vref, values_offsets = ref, rows_offsets
     if n_tok == 0:
         return out, vout
-    if local is not None and (local.shape[1] != width or local.stride(-1) != 1
-                              or local.dtype != ref.dtype):
-        raise ValueError(f"local rows must be (*, {width}) {ref.dtype} with contiguous "
-                         f"columns, got {tuple(local.shape)} {local.dtype}")
-    vec = _vec(width, ref)
-    deltas = _deltas(rows, rank, vec)
-    vref = values[rank] if values is not None else ref
-    vdeltas = _deltas(values, rank, 1) if values is not None else deltas
     local_arg = local if local is not None else ref
-    if local_arg.stride(0) % vec:
-        vec = 1
+    if byte_offsets is None:
+        byte_offsets = [p.data_ptr() - ref.data_ptr() for p in rows]
+    vec = _aligned_vec(ref, byte_offsets, width, local_arg.stride(0))
     block = min(block_c or SUM_BLOCK_C, next_pow2(max(width, 1)))
     tok = tokens_per_program or SUM_TOKENS
+    src_rank, src_pos = _index(src_rank), _index(src_pos)
     launch(_pull_gather_sum_kernel, (max(1, min(num_programs, cdiv(n_tok, tok))),),
-           ref, deltas, vref, vdeltas, local_arg, rank if local is not None else -1,
-           src_rank, src_pos, values_pos if values_pos is not None else src_pos,
-           weights if weights is not None else src_pos, out,
-           vout if vout is not None else out, n_tok, width, local_arg.stride(0), width,
-           K=top_k, HAS_W=weights is not None, HAS_VALS=values is not None, TOK=tok,
-           BLOCK_C=block, VEC=vec, num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
+           ref, rows_offsets, vref, values_offsets, local_arg,
+           rank if local is not None else -1, src_rank, src_pos,
+           _index(values_pos) if values_pos is not None else src_pos,
+           weights.contiguous() if weights is not None else src_pos, out,
+           vout if vout is not None else out, n_tok, width, width // vec,
+           local_arg.stride(0) // vec, width // vec, K=top_k, HAS_W=weights is not None,
+           HAS_VALS=values is not None, TOK=tok, BLOCK_C=block, VEC=vec,
+           num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
     return out, vout

@@ -85,12 +85,53 @@ def test_fallbacks_agree_with_the_kernels():
     assert torch.equal(sv, ksv)
 
 
-def test_misaligned_peer_regions_are_refused():
+def test_peers_off_the_vector_width_are_read_row_by_row_not_misread():
+    # 17 floats apart: the kernels' 16-byte hint would be false, so it is lowered.
     base = torch.randn(2 * 16 + 1, 16, device=DEV)
-    rows = (base[:16], base.view(-1)[17:17 + 256].view(16, 16))  # 17 floats apart
-    src_rank, src_idx = _index(2, 4, 16, 3)
-    with pytest.raises(ValueError, match="multiple of 16 bytes apart"):
-        launch_pull_rows(rows, None, 0, src_rank, src_idx, num_programs=1)
+    rows = (base[:16], base.view(-1)[17:17 + 256].view(16, 16))
+    src_rank, src_idx = _index(2, 9, 16, 3)
+    out, _ = launch_pull_rows(rows, None, 0, src_rank, src_idx, num_programs=2)
+    for i in range(9):
+        assert torch.equal(out[i], rows[int(src_rank[i])][int(src_idx[i])])
+
+
+def test_bad_arguments_are_refused():
+    rows, vals = _peers(2, 6, 8, torch.float32, 5)
+    src_rank, src_idx = _index(2, 6, 6, 5)
+    with pytest.raises(ValueError, match="contiguous tensors of one dtype"):
+        launch_pull_rows((rows[0], rows[1].t().contiguous().t()), None, 0, src_rank, src_idx,
+                         num_programs=1)
+    with pytest.raises(ValueError, match="contiguous tensors of one dtype"):
+        launch_pull_rows((rows[0], rows[1].double()), None, 0, src_rank, src_idx,
+                         num_programs=1)
+    with pytest.raises(ValueError, match="one entry per row"):
+        launch_pull_rows(rows, None, 0, src_rank[:3], src_idx, num_programs=1)
+    with pytest.raises(ValueError, match="top_k"):
+        launch_pull_gather_sum(rows, None, 0, src_rank[:5], src_idx[:5], 2, num_programs=1)
+    with pytest.raises(ValueError, match="local rows must be"):
+        launch_pull_gather_sum(rows, None, 0, src_rank[:0], src_idx[:0], 2,
+                               local=torch.zeros(3, 7, device=DEV), num_programs=1)
+
+
+@pytest.mark.parametrize("width", [0, 5])
+def test_empty_and_odd_shapes(width):
+    rows, vals = _peers(2, 4, width, torch.bfloat16, 6)
+    src_rank, src_idx = _index(2, 6, 4, 6)
+    out, vout = launch_pull_rows(rows, vals, 1, src_rank, src_idx, num_programs=2)
+    for i in range(6):
+        assert torch.equal(out[i], rows[int(src_rank[i])][int(src_idx[i])])
+        assert torch.equal(vout[i], vals[int(src_rank[i])][int(src_idx[i])])
+    empty = src_idx[:0]
+    out, vout = launch_pull_rows(rows, vals, 1, src_rank[:0], empty, num_programs=2)
+    assert out.shape == (0, width) and vout.shape == (0,)
+    # top_k = 1 and a local tensor whose row stride breaks the vector width.
+    local = torch.randn(4, width + 3, device=DEV).to(torch.bfloat16)[:, :width]
+    s, v = launch_pull_gather_sum(rows, vals, 0, src_rank, src_idx, 1, local=local,
+                                  num_programs=3)
+    for i in range(6):
+        want = local[int(src_idx[i])] if int(src_rank[i]) == 0 else rows[1][int(src_idx[i])]
+        assert torch.equal(s[i], want)
+        assert torch.equal(v[i], vals[int(src_rank[i])][int(src_idx[i])])
 
 
 def test_pull_gather_sum_reads_own_rows_in_place_and_values_at_their_own_positions():

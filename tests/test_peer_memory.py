@@ -1,0 +1,108 @@
+"""``SymmetricPeerMemory`` on the CPU, over a stand-in for torch's symmetric memory whose
+"peer" is another tensor of this process: halves alternate, one barrier per exposure,
+rows (or ``rows[index]``) and values land where the pulls read them, caches stay bounded,
+and growth re-maps the buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fn.comm import peer_memory as pm
+from moe_fn.comm.peer_memory import PeerView, pull_gather_sum, pull_rows
+from moe_fn.kernels.peer import launch_pull_gather_sum, launch_pull_rows
+
+
+class _Handle:
+    def __init__(self, bufs):
+        self.bufs = bufs
+        self.buffer_ptrs = [b.data_ptr() for b in bufs]
+        self.barriers = 0
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        return self.bufs[rank].view(dtype)[offset:offset + shape[0]].view(shape)
+
+    def barrier(self, channel=0):
+        self.barriers += 1
+
+
+class _Symm:
+    def __init__(self):
+        self.allocations = []
+
+    def empty(self, n, dtype, device):
+        self.bufs = [torch.zeros(n, dtype=dtype) for _ in range(2)]
+        self.allocations.append(n)
+        return self.bufs[0]
+
+    def rendezvous(self, buf, group):
+        self.handle = _Handle(self.bufs)
+        return self.handle
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    monkeypatch.setattr(pm, "_GROW", 1 << 12)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    m = pm.SymmetricPeerMemory.__new__(pm.SymmetricPeerMemory)
+    m._symm, m.group, m.device, m.rank, m.size = _Symm(), None, torch.device("cpu"), 0, 2
+    m._buf = m._hdl = None
+    m._half, m._flip, m._flat, m._offsets, m._bytes = 0, 0, {}, {}, ()
+    return m
+
+
+def test_exposures_alternate_halves_with_one_barrier_each(memory):
+    g = torch.Generator().manual_seed(0)
+    starts = []
+    for step in range(6):
+        n = 3 + step
+        rows = torch.randn(n, 8, generator=g)
+        vals = torch.randn(n, generator=g)
+        index = torch.randperm(n, generator=g)[:n - 1] if step % 2 else None
+        view = memory.expose(rows, vals, 10, 12, index)
+        assert memory._hdl.barriers == step + 1
+        starts.append(view.rows[0].data_ptr())
+        published = rows if index is None else rows[index]
+        assert torch.equal(view.rows[0][:published.shape[0]], published)
+        assert torch.equal(view.values[0][:n], vals)
+        # The peer's tensors are its buffer at the same place; the offsets say so.
+        assert view.rows[1].data_ptr() - view.rows[0].data_ptr() == view.byte_offsets[1]
+        assert int(view.rows_offsets[1]) * 4 == view.byte_offsets[1]
+        view.rows[1][:4] = 7.0  # what the "peer" published
+        out, vout = launch_pull_rows(view.rows, view.values, 0,
+                                     torch.tensor([1, 0], dtype=torch.int32),
+                                     torch.tensor([2, 1]), num_programs=1,
+                                     rows_offsets=view.rows_offsets,
+                                     values_offsets=view.values_offsets,
+                                     byte_offsets=view.byte_offsets)
+        assert torch.equal(out[0], torch.full((8,), 7.0)) and torch.equal(out[1], published[1])
+        assert vout[1] == vals[1]
+    assert len(set(starts)) == 2 and starts[0] != starts[1] and starts[0] == starts[2]
+    assert len(memory._flat) <= 4 and memory._symm.allocations == [2 * (1 << 12)]
+
+
+def test_growth_remaps_the_buffer(memory):
+    memory.expose(torch.ones(4, 8), None, 4, 0)
+    first = memory._hdl
+    view = memory.expose(torch.full((300, 8), 2.0), None, 300, 0)
+    assert memory._hdl is not first and first.barriers == 2  # drained, then freed
+    assert len(memory._symm.allocations) == 2 and memory._half >= 300 * 8 * 4
+    assert torch.equal(view.rows[0], torch.full((300, 8), 2.0))
+
+
+def test_plain_pulls_match_the_kernels():
+    # (The kernels take half types and float32: the plain path serves the rest.)
+    g = torch.Generator().manual_seed(1)
+    rows = tuple(torch.randn(5, 6, generator=g) for _ in range(3))
+    vals = tuple(torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3))
+    src_rank = torch.randint(0, 3, (8,), generator=g, dtype=torch.int32)
+    src_pos = torch.randint(0, 5, (8,), generator=g)
+    out, vout = pull_rows(PeerView(2, rows, vals), src_rank, src_pos)
+    kout, kvout = launch_pull_rows(rows, vals, 2, src_rank, src_pos, num_programs=2)
+    assert torch.equal(out, kout) and torch.equal(vout, kvout)
+    local = torch.randn(5, 6, generator=g)
+    s, sv = pull_gather_sum(PeerView(1, rows, vals), src_rank, src_pos, 2, local=local)
+    ks, ksv = launch_pull_gather_sum(rows, vals, 1, src_rank, src_pos, 2, local=local,
+                                     num_programs=2)
+    torch.testing.assert_close(s, ks)
+    assert torch.equal(sv, ksv)

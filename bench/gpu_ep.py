@@ -74,7 +74,9 @@ def backends(have_deepep):
     # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
     names = (["all_to_all", "all_to_all_symm", "all_to_all_dedup"]
              + (["deepep"] if have_deepep else []))
-    return [b for b in names if ONLY_BACKENDS is None or b in ONLY_BACKENDS]
+    if ONLY_BACKENDS is None:
+        return names
+    return [b for b in ONLY_BACKENDS if b in names]  # in the order given
 
 
 @functools.cache

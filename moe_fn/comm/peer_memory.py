@@ -1,13 +1,12 @@
 """Memory every rank of an expert-parallel group can read, and pulls out of it.
 
 ``expose(rows, values[, index])`` publishes one tensor of rows (``rows[index]`` given an
-index) and one of values per rank;
-the returned ``PeerView`` lists every rank's published tensors as tensors this process
-can read. On CUDA the tensors live in one torch symmetric-memory buffer per (group,
-device), mapped into every rank's address space over NVLink, and exposing is a copy
-and one device-side barrier. On CPUs (gloo) a stand-in gathers every rank's
-tensors with ``all_gather``: slower, but the exchange built on it runs the same index
-logic, so CPU tests check it.
+index) and one of values per rank; the returned ``PeerView`` lists every rank's
+published tensors as tensors this process can read. On CUDA the tensors live in one
+torch symmetric-memory buffer per (group, device), mapped into every rank's address
+space over NVLink, and exposing is a copy and one device-side barrier. On CPUs (gloo) a
+stand-in gathers every rank's tensors with ``all_gather``: slower, but the exchange
+built on it runs the same index logic, so CPU tests check it.
 
 The pulls build their output in final order in one pass (``moe_fn.kernels.peer`` on
 CUDA, plain indexing elsewhere).

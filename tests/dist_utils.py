@@ -10,10 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, fn, args):
+def _entry(rank, world, init_file, fn, args, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         fn(rank, world, *args)
@@ -24,8 +26,9 @@ def _entry(rank, world, init_file, fn, args):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args) -> None:
-    """Spawn ``world`` processes running ``fn(rank, world, *args)``; a failure in any raises."""
+def run_distributed(fn, world: int, *args, backend: str = "gloo") -> None:
+    """Spawn ``world`` processes running ``fn(rank, world, *args)``; a failure in any raises.
+    ``backend="nccl"``: one GPU per process (rank r on cuda:r)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world,
-                 join=True)
+        mp.spawn(_entry, args=(world, os.path.join(d, "init"), fn, args, backend),
+                 nprocs=world, join=True)

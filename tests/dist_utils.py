@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -19,11 +20,17 @@ def _entry(rank, world, init_file, fn, args, backend="gloo"):
                             world_size=world)
     try:
         fn(rank, world, *args)
-        # No rank tears gloo down while a peer's last transfer may still be in flight
-        # (seen once as "terminate called without an active exception" at exit).
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Every rank is past its last collective: leave at once. Tearing gloo down, or the
+    # interpreter's exit after it, has now and then aborted a finished process ("terminate
+    # called without an active exception", twice in CI runs, also after a barrier);
+    # skipping both loses nothing a test checks (spawn reads the exit code).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world: int, *args, backend: str = "gloo") -> None:

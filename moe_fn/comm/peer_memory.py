@@ -9,7 +9,8 @@ stand-in gathers every rank's tensors with ``all_gather``: slower, but the excha
 built on it runs the same index logic, so CPU tests check it.
 
 The pulls build their output in final order in one pass (``moe_fn.kernels.peer`` on
-CUDA, plain indexing elsewhere).
+CUDA; elsewhere their pure twins, ``peer_gather``/``peer_gather_sum`` in
+``moe_fn.pure.dispatch``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..kernels._registry import use_triton
-from ..pure.dispatch import gather_sum_fwd, weighted_gather_sum_fwd
+from ..pure.dispatch import peer_gather, peer_gather_sum
 
 _ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
 _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
@@ -219,21 +220,9 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool
             num_warps=peer.FEW_SMS_PULL_WARPS if few else None,
             rows_offsets=view.rows_offsets if peers is not None else None,
             values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
-    # Every peer's candidate for every row, kept where the row comes from that peer: no
-    # host sync (the plain path also serves float64 on CUDA).
-    n = src_idx.numel()
-    j = src_idx.long()
-    out = None if peers is None else ref.new_zeros((n, ref.shape[1]))
-    vout = None if view.values is None else view.values[view.rank].new_zeros(n)
-    for s in range(len(view.values if peers is None else peers)):
-        here = src_rank == s
-        if out is not None:
-            r = (j // row_div).clamp(0, max(peers[s].shape[0] - 1, 0))
-            if peers[s].shape[0]:
-                out = torch.where(here[:, None], peers[s].index_select(0, r), out)
-        if vout is not None and view.values[s].shape[0]:
-            v = view.values[s].index_select(0, j.clamp(0, view.values[s].shape[0] - 1))
-            vout = torch.where(here, v, vout)
+    # The pure twin (also what float64 takes on CUDA).
+    out = None if peers is None else peer_gather(peers, src_rank, src_idx, row_div)
+    vout = None if view.values is None else peer_gather(view.values, src_rank, src_idx)
     return out, vout
 
 
@@ -258,12 +247,7 @@ def pull_gather_sum(view: PeerView, src_rank, src_pos, top_k: int, weights=None,
     rows = view.rows
     if local is not None:
         rows = rows[:view.rank] + (local,) + rows[view.rank + 1:]
-    gathered, _ = pull_rows(PeerView(view.rank, rows, None), src_rank, src_pos)
     vout = None
     if view.values is not None:
-        _, vout = pull_rows(PeerView(view.rank, None, view.values), src_rank,
-                            src_pos if values_pos is None else values_pos, rows=False)
-    order = torch.arange(gathered.shape[0], device=gathered.device)
-    if weights is None:
-        return gather_sum_fwd(gathered, order, top_k)[0], vout
-    return weighted_gather_sum_fwd(gathered, order, weights, top_k)[0], vout
+        vout = peer_gather(view.values, src_rank, src_pos if values_pos is None else values_pos)
+    return peer_gather_sum(rows, src_rank, src_pos, top_k, weights), vout

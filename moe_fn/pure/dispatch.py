@@ -302,3 +302,31 @@ def masked_gather_sum(rows, table, weights=None):
     if weights is not None:
         scale = scale * weights.to(cd).index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k)
     return (g * scale[:, :, None]).sum(dim=1).to(rows.dtype)
+
+
+def peer_gather(peers, src_rank, src_idx, row_div: int = 1):
+    """``out[i] = peers[src_rank[i]][src_idx[i] // row_div]``: rows (or, for 1-D peers,
+    values) gathered from one tensor per rank, the contract of the peer-memory pull
+    (``moe_fn.kernels.peer``). Every peer's candidate is gathered and kept where the row
+    comes from that peer: no host sync."""
+    n = src_idx.numel()
+    ref = peers[0]
+    j = src_idx.long() // row_div
+    out = ref.new_zeros((n, *ref.shape[1:]))
+    for s, peer in enumerate(peers):
+        if peer.shape[0] == 0:
+            continue
+        here = (src_rank == s).reshape(-1, *[1] * (ref.dim() - 1))
+        out = torch.where(here, peer.index_select(0, j.clamp(0, peer.shape[0] - 1)), out)
+    return out
+
+
+def peer_gather_sum(peers, src_rank, src_pos, top_k: int, weights=None):
+    """``out[t] = sum_j [weights[t*k+j] *] peers[src_rank[t*k+j]][src_pos[t*k+j]]``
+    (float32 accumulation for half types, as ``gather_sum_fwd``): the contract of the
+    peer-memory pull-sum."""
+    rows = peer_gather(peers, src_rank, src_pos)
+    order = torch.arange(rows.shape[0], device=rows.device)
+    if weights is None:
+        return gather_sum_fwd(rows, order, top_k)[0]
+    return weighted_gather_sum_fwd(rows, order, weights, top_k)[0]

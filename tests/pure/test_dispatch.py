@@ -297,3 +297,24 @@ def test_compile_fullgraph_route_and_move():
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
     for a, b in zip(f(*args), got):
         torch.testing.assert_close(a, b)
+
+
+def test_peer_gather_pairs_match_a_naive_loop():
+    from moe_fn.pure.dispatch import peer_gather, peer_gather_sum
+    g = torch.Generator().manual_seed(7)
+    peers = (torch.randn(4, 3, generator=g, dtype=torch.float64),
+             torch.zeros(0, 3, dtype=torch.float64),  # a rank that exposed nothing
+             torch.randn(6, 3, generator=g, dtype=torch.float64))
+    src_rank = torch.tensor([2, 0, 2, 0, 2, 0])
+    src_idx = torch.tensor([11, 7, 0, 1, 5, 3])
+    out = peer_gather(peers, src_rank, src_idx, row_div=2)
+    for i in range(6):
+        assert torch.equal(out[i], peers[int(src_rank[i])][int(src_idx[i]) // 2])
+    vals = (torch.arange(4.0), torch.zeros(0), torch.arange(10.0, 16.0))
+    v = peer_gather(vals, src_rank, src_idx // 2)
+    assert v.tolist() == [float(vals[int(s)][int(j) // 2]) for s, j in zip(src_rank, src_idx)]
+    w = torch.rand(6, generator=g, dtype=torch.float64)
+    s = peer_gather_sum(peers, src_rank, src_idx // 2, 3, w)
+    want = torch.stack([sum(w[t * 3 + j] * peers[int(src_rank[t * 3 + j])]
+                            [int(src_idx[t * 3 + j]) // 2] for j in range(3)) for t in range(2)])
+    torch.testing.assert_close(s, want)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moe_fn.comm import peer_memory as pm
-from moe_fn.comm.peer_memory import PeerView, pull_gather_sum, pull_rows
-from moe_fn.kernels.peer import launch_pull_gather_sum, launch_pull_rows
+from moe_fn.comm.peer_memory import pull_rows
+from moe_fn.kernels.peer import launch_pull_rows
 
 # The stand-in's buffers are CPU tensors: the Triton kernels read them only in the
 # interpreter (machines without a GPU); elsewhere the plain pulls do.
@@ -96,22 +96,3 @@ def test_growth_remaps_the_buffer(memory):
     assert memory._hdl is not first and first.barriers == 2  # drained, then freed
     assert len(memory._symm.allocations) == 2 and memory._half >= 300 * 8 * 4
     assert torch.equal(view.rows[0], torch.full((300, 8), 2.0))
-
-
-@pytest.mark.skipif(not INTERPRET, reason="CPU tensors through the Triton interpreter")
-def test_plain_pulls_match_the_kernels():
-    # (The kernels take half types and float32: the plain path serves the rest.)
-    g = torch.Generator().manual_seed(1)
-    rows = tuple(torch.randn(5, 6, generator=g) for _ in range(3))
-    vals = tuple(torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3))
-    src_rank = torch.randint(0, 3, (8,), generator=g, dtype=torch.int32)
-    src_pos = torch.randint(0, 5, (8,), generator=g)
-    out, vout = pull_rows(PeerView(2, rows, vals), src_rank, src_pos)
-    kout, kvout = launch_pull_rows(rows, vals, 2, src_rank, src_pos, num_programs=2)
-    assert torch.equal(out, kout) and torch.equal(vout, kvout)
-    local = torch.randn(5, 6, generator=g)
-    s, sv = pull_gather_sum(PeerView(1, rows, vals), src_rank, src_pos, 2, local=local)
-    ks, ksv = launch_pull_gather_sum(rows, vals, 1, src_rank, src_pos, 2, local=local,
-                                     num_programs=2)
-    torch.testing.assert_close(s, ks)
-    assert torch.equal(sv, ksv)

@@ -32,7 +32,6 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     """One row per (token, expert), moved by pulls from peer memory (see the module)."""
 
     home_weighting = True
-    transport = "symm_mem"
 
     def __init__(self, *, num_experts: int, group=None, num_sms: int | None = None):
         ep, rank = self._group_size_and_rank(group)

@@ -72,7 +72,8 @@ ONLY_BACKENDS = None  # --backends: a subset to run
 def backends(have_deepep):
     # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
     # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
-    names = (["all_to_all", "all_to_all_symm", "all_to_all_dedup"]
+    # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
+    names = (["all_to_all", "all_to_all_symm", "all_to_all_symm_rowwise", "all_to_all_dedup"]
              + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
@@ -96,7 +97,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     gu = torch.randn(e, 2 * full.intermediate_size, full.hidden_size, device="cuda") * 0.02
     dn = torch.randn(e, full.hidden_size, full.intermediate_size, device="cuda") * 0.02
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
-    if backend == "all_to_all_symm":
+    rowwise = backend == "all_to_all_symm_rowwise"
+    if backend.startswith("all_to_all_symm"):
         backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
@@ -104,6 +106,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
         backend, extra["all_to_all_dedup"] = "all_to_all", True
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
+    if rowwise:
+        layer.exchange.read_tokens_once = False
     el = cfg.num_local_experts
     with torch.no_grad():
         layer.router.weight.copy_(rw)
@@ -209,7 +213,7 @@ def layer_bench(have_deepep, results, tokens, reps):
                                                                                        reps)
         # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
         # not kept locally.
-        if backend == "all_to_all_symm":  # the route's rows for other ranks' experts
+        if backend.startswith("all_to_all_symm"):  # the route's rows for other ranks' experts
             per_rank = plan.counts.reshape(WORLD, -1).sum(1).tolist()
             sent_rows = sum(per_rank) - per_rank[RANK]
         elif backend.startswith("all_to_all"):
@@ -578,7 +582,7 @@ def main():
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
                     help="comma-separated subset of all_to_all, all_to_all_symm, "
-                         "all_to_all_dedup, deepep")
+                         "all_to_all_symm_rowwise, all_to_all_dedup, deepep")
     a = ap.parse_args()
     ONLY_BACKENDS = a.backends.split(",") if a.backends else None
     dist.init_process_group("nccl")

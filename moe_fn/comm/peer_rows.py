@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..pure.dispatch import token_segments
 from ..pure.row_weight import RowWeightRes
 from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending
@@ -32,6 +33,9 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     """One row per (token, expert), moved by pulls from peer memory (see the module)."""
 
     home_weighting = True
+    # Moves of token rows to the experts read each token once per rank, however many of
+    # its rows this rank computes (False: once per row, the plain pull; benchmarks compare).
+    read_tokens_once = True
 
     def __init__(self, *, num_experts: int, group=None, num_sms: int | None = None):
         ep, rank = self._group_size_and_rank(group)
@@ -80,8 +84,10 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         # no host sync).
         remote_rows = torch.sort((src == me).to(torch.int8), stable=True).indices[
             :n - recv_splits[me]]
+        src_flat = recv_flat.index_select(0, v)
         return PeerRowsHandle(
-            plan=plan, src_rank=src.to(torch.int32), src_flat=recv_flat.index_select(0, v),
+            plan=plan, src_rank=src.to(torch.int32), src_flat=src_flat,
+            token_groups=token_segments(src, src_flat, plan.top_k, max_tokens),
             remote_rows=remote_rows, num_rows=n, max_tokens=max_tokens, max_rows=max_rows,
             max_remote_rows=max_remote_rows, **home)
 
@@ -114,7 +120,8 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         k = h.plan.top_k
         view = self._expose(token_rows, values, h.max_tokens, h.max_tokens * k)
         return pull_rows(view, h.src_rank, h.src_flat, row_div=k,
-                         rows=token_rows is not None, num_programs=self.num_programs)
+                         rows=token_rows is not None, num_programs=self.num_programs,
+                         token_groups=h.token_groups if self.read_tokens_once else None)
 
     # ---- expert rows -> home, summed over k ----------------------------------------------
     def _to_home(self, rows, values, h: PeerRowsHandle, weights=None):

@@ -146,9 +146,9 @@ class PeerRowsHandle:
     its expert-major position there; ``home_cpos`` (T*k,) int64, its position among the
     rows that rank exposes (its expert rows for other ranks' tokens, ``remote_rows``, in
     order), or ``home_pos`` where this rank computes it (read in place).
-    ``token_groups``: ``(order, seg_end, num_segments)`` (``token_segments`` of
-    ``src_rank``/``src_flat``): the rows grouped by the token they copy, so that a move of
-    token rows to the experts reads each token once.
+    ``token_slots`` (ep * max_tokens * k,) int32: at ``(s * max_tokens + t) * k + j`` the
+    position of row (t, j) of rank s, -1 where this rank does not compute it, so that a
+    move of token rows to the experts reads each token once.
     ``remote_rows`` (n_remote,) int64: expert-major positions of this rank's rows for
     other ranks' tokens. ``local_offs`` (E_local,) int32: row ends per local expert.
     ``max_tokens`` / ``max_rows`` / ``max_remote_rows``: the most tokens / expert rows /
@@ -164,7 +164,7 @@ class PeerRowsHandle:
     home_cpos: torch.Tensor
     remote_rows: torch.Tensor
     local_offs: torch.Tensor
-    token_groups: tuple
+    token_slots: torch.Tensor
     num_rows: int
     max_tokens: int
     max_rows: int

@@ -47,14 +47,13 @@ def _check(rank, world, e, k, seed):
         p = major[o].index((rank, i))
         cp = p if o == rank else [q for q, (s, _) in enumerate(major[o]) if s != o].index(p)
         assert (int(h.home_rank[i]), int(h.home_pos[i]), int(h.home_cpos[i])) == (o, p, cp)
-    # Rows grouped by the token they copy: each group exactly one (source, token)'s rows.
-    order, seg_end, n_seg = h.token_groups
-    groups = [order[a:b].tolist() for a, b in
-              zip([0] + seg_end[:int(n_seg) - 1].tolist(), seg_end[:int(n_seg)].tolist())]
-    by_token = {}
+    # Each row's slot by (source, token, j): every row once, nothing else.
+    slots = h.token_slots
+    assert slots.numel() == world * h.max_tokens * k
+    want_slots = torch.full_like(slots, -1)
     for p, (s, i) in enumerate(mine):
-        by_token.setdefault((s, i // k), []).append(p)
-    assert sorted(groups) == sorted(by_token.values())
+        want_slots[s * h.max_tokens * k + i] = p
+    assert torch.equal(slots, want_slots)
     ends = torch.tensor([sum(1 for s, i in mine if int(routes[s].flatten()[i]) == x)
                          for x in range(rank * el, (rank + 1) * el)]).cumsum(0)
     assert h.local_offs.tolist() == ends.tolist()

@@ -202,23 +202,23 @@ def _sm_count(device) -> int:
 
 
 def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool = True,
-              num_programs: int | None = None, token_groups=None):
+              num_programs: int | None = None, token_slots=None):
     """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (unless ``rows`` is
     False) and ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
     ``(out or None, vout or None)``. ``num_programs`` bounds the CUDA kernel's grid (the
     SMs it may occupy, each program then running more warps; default: one program per
-    SM). ``token_groups`` (``token_segments`` of the indices, ``row_div`` being top_k):
-    the CUDA kernel then reads each source row once however many rows copy it."""
+    SM). ``token_slots`` (``PeerRowsHandle.token_slots`` of these indices, ``row_div``
+    being top_k): the CUDA kernel then reads each token row once however many rows copy
+    it."""
     peers = view.rows if rows else None
     ref = peers[view.rank] if peers is not None else view.values[view.rank]
     if use_triton(ref) and not torch.compiler.is_compiling():
         from ..kernels import peer
 
         few = num_programs is not None
-        if token_groups is not None and peers is not None:
+        if token_slots is not None and peers is not None:
             return peer.launch_pull_token_rows(
-                peers, view.values, view.rank, src_rank, src_idx, *token_groups,
-                row_div=row_div,
+                peers, view.values, view.rank, token_slots, src_idx.numel(), row_div,
                 num_programs=num_programs or peer.PULL_TOKENS_PER_SM * _sm_count(ref.device),
                 num_warps=peer.FEW_SMS_PULL_WARPS if few else None,
                 rows_offsets=view.rows_offsets, values_offsets=view.values_offsets,

@@ -14,16 +14,13 @@ flattened (token, k) indices of the rows it will pull, in one small all_to_all o
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pure.dispatch import token_segments
 from ..pure.row_weight import RowWeightRes
 from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending
 from .peer_memory import peer_memory, pull_gather_sum, pull_rows
-from .sorted_rows import expert_major_sources
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,21 +53,14 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     # ---- layout ------------------------------------------------------------------------
     def layout(self, plan: RoutePlan) -> PeerRowsHandle:
         self.counters["layout"] += 1
-        ep, el, me, k = self.ep_size, self.num_local_experts, self.rank, plan.top_k
+        ep, me, k = self.ep_size, self.rank, plan.top_k
         c = plan.counts.new_empty(ep * self.num_experts)
         _all_gather(c, plan.counts.contiguous(), group=self.group)
         c = c.view(ep, -1)  # (ep, E): rows each rank sends to each expert
-        by_rank = c.reshape(ep, ep, el)  # [source, owner, local expert]
-        recv = by_rank[:, me]  # (ep, E_local) rows from each source for my experts
-        rows_of = by_rank.sum((0, 2))  # expert rows each rank computes
-        ranks = torch.arange(ep, device=c.device)
-        own_of = by_rank[ranks, ranks].sum(1)  # of which from the rank's own tokens
-        sizes = torch.cat([recv.sum(1), by_rank[me].sum(1), (c.sum(1) // k).max()[None],
-                           rows_of.max()[None], (rows_of - own_of).max()[None]])
-        # Queued before the host sync, so the GPU computes it while the host waits.
-        home = self._home_side(plan, c)
+        home = kernels.peer_home_side(c, plan.offs, plan.counts, plan.topk_idx, plan.inv_perm,
+                                      me, k)
         # One host sync: the index exchange's split sizes and the exposed sizes.
-        sizes = sizes.tolist()
+        sizes = home.sizes.tolist()
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         max_tokens, max_rows, max_remote_rows = sizes[2 * ep:]
         n = sum(recv_splits)
@@ -79,41 +69,14 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         recv_flat = plan.perm.new_empty(n)
         dist.all_to_all_single(recv_flat, plan.perm, recv_splits, send_splits,
                                group=self.group)
-        v, src = expert_major_sources(recv, n)
-        # Expert-major positions of the rows from other ranks, in order (a stable sort:
-        # no host sync).
-        remote_rows = torch.sort((src == me).to(torch.int8), stable=True).indices[
-            :n - recv_splits[me]]
-        src_flat = recv_flat.index_select(0, v)
+        rec = kernels.peer_receiver_side(c, recv_flat, me, k, max_tokens, n - recv_splits[me],
+                                         home.tables)
         return PeerRowsHandle(
-            plan=plan, src_rank=src.to(torch.int32), src_flat=src_flat,
-            token_groups=token_segments(src, src_flat, plan.top_k, max_tokens),
-            remote_rows=remote_rows, num_rows=n, max_tokens=max_tokens, max_rows=max_rows,
-            max_remote_rows=max_remote_rows, **home)
-
-    def _home_side(self, plan: RoutePlan, c: torch.Tensor) -> dict:
-        """Where this rank's (token, k) rows sit on the ranks computing them, from the
-        gathered counts ``c (ep, E)`` alone (no host ints)."""
-        ep, el, me = self.ep_size, self.num_local_experts, self.rank
-        # Row (t, j) at sorted position p of expert e lands on e's owner at (start of
-        # block (e, this rank) there) + (p - start of e in this rank's order).
-        tot = c.sum(0).reshape(ep, el)
-        exp_start = (torch.cumsum(tot, 1) - tot).flatten()
-        base = exp_start + c[:me].sum(0) - (plan.offs.long() - plan.counts)
-        experts = plan.topk_idx.flatten()
-        # An owner exposes only the rows other ranks need (its own tokens' rows are read
-        # where they are): in its expert-major order without the blocks of its own
-        # tokens. Rows before block (e, this rank) there that are the owner's own: its
-        # rows of the owner's earlier experts, and of e itself if the owner comes first.
-        e_all = torch.arange(self.num_experts, device=c.device)
-        own = c[e_all // el, e_all].reshape(ep, el)
-        ranks = torch.arange(ep, device=c.device)[:, None]
-        # (This rank reads its own rows in place: nothing to subtract there.)
-        own_before = torch.where(ranks == me, 0,
-                                 torch.cumsum(own, 1) - own + own * (ranks < me)).flatten()
-        pos = torch.stack([base, base - own_before]).index_select(1, experts) + plan.inv_perm
-        return dict(home_rank=(experts // el).to(torch.int32), home_pos=pos[0],
-                    home_cpos=pos[1], local_offs=torch.cumsum(tot[me], 0).to(torch.int32))
+            plan=plan, src_rank=rec.src_rank, src_flat=rec.src_flat,
+            token_slots=rec.token_slots, remote_rows=rec.remote_rows, home_rank=home.home_rank,
+            home_pos=home.home_pos, home_cpos=home.home_cpos, local_offs=home.local_offs,
+            num_rows=n, max_tokens=max_tokens, max_rows=max_rows,
+            max_remote_rows=max_remote_rows)
 
     # ---- token rows -> expert rows -------------------------------------------------------
     def _to_experts(self, token_rows, values, h: PeerRowsHandle):
@@ -121,7 +84,7 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         view = self._expose(token_rows, values, h.max_tokens, h.max_tokens * k)
         return pull_rows(view, h.src_rank, h.src_flat, row_div=k,
                          rows=token_rows is not None, num_programs=self.num_programs,
-                         token_groups=h.token_groups if self.read_tokens_once else None)
+                         token_slots=h.token_slots if self.read_tokens_once else None)
 
     # ---- expert rows -> home, summed over k ----------------------------------------------
     def _to_home(self, rows, values, h: PeerRowsHandle, weights=None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..pure import dispatch as _pure_dispatch
+from ..pure import peer_layout as _pure_peer_layout
 from ..pure import router as _pure_router
 from ..pure import row_weight as _pure_row_weight
 from ..pure.activations import SwigluPackedRes, SwigluRes
@@ -34,6 +35,8 @@ __all__ = [
     "masked_gather_sum",
     "pack_rows",
     "layout",
+    "peer_home_side",
+    "peer_receiver_side",
     "layout_with_tokens",
     "weighted_gather_sum_bwd",
     "weighted_gather_sum_fwd",
@@ -191,6 +194,27 @@ def layout_with_tokens(topk_idx, num_experts: int):
         return counts, offs, perm, inv_perm, tokens
     _pure_dispatch.check_layout_args(topk_idx, num_experts)
     return _launch_layout(topk_idx, num_experts)
+
+
+def peer_home_side(c, offs, counts, topk_idx, inv_perm, rank: int, top_k: int):
+    """``moe_fn.pure.peer_layout.peer_home_side`` (same outputs) in two Triton launches for
+    CUDA counts in eager mode, the pure function elsewhere."""
+    if not _use_layout_kernel(c):
+        return _pure_peer_layout.peer_home_side(c, offs, counts, topk_idx, inv_perm, rank,
+                                                top_k)
+    from .peer_layout import launch_peer_home_side
+    return launch_peer_home_side(c, offs, counts, topk_idx, inv_perm, rank, top_k)
+
+
+def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int, num_remote: int,
+                       tables=None):
+    """``moe_fn.pure.peer_layout.peer_receiver_side``; one Triton launch given the
+    ``tables`` of the kernels' ``peer_home_side``."""
+    if tables is None or not _use_layout_kernel(c):
+        return _pure_peer_layout.peer_receiver_side(c, recv_flat, rank, top_k, max_tokens,
+                                                    num_remote)
+    from .peer_layout import launch_peer_receiver_side
+    return launch_peer_receiver_side(c, recv_flat, rank, top_k, max_tokens, num_remote, tables)
 
 
 def gather_row_weight_bwd(src, index, rows, weights):

@@ -33,9 +33,9 @@ SUM_TOKENS, SUM_BLOCK_C, SUM_WARPS = 2, 1024, 8
 FEW_SMS_PULL_WARPS = 16
 FEW_SMS_SUM_TOKENS, FEW_SMS_SUM_WARPS = 8, 16
 # The token-once pull (each token read once, written up to K times): tokens per program
-# step, columns, warps and programs per SM, from a sweep on two H200s (bench/RESULTS.md;
-# 16 tokens a step with 8 warps failed to compile on Triton 3.6).
-PULL_TOKENS, PULL_TOKENS_BLOCK_C, PULL_TOKENS_WARPS, PULL_TOKENS_PER_SM = 8, 1024, 8, 4
+# step, columns, warps and programs per SM, from a sweep on two H200s (bench/RESULTS.md:
+# 0.200 ms against 0.215-0.237 for the other shapes tried, the row-by-row pull 0.507).
+PULL_TOKENS, PULL_TOKENS_BLOCK_C, PULL_TOKENS_WARPS, PULL_TOKENS_PER_SM = 4, 1024, 8, 8
 _DELTAS: dict = {}
 
 
@@ -104,41 +104,38 @@ def _pull_gather_sum_kernel(ref, rows_delta, vref, vals_delta, local_ptr, me, ra
 
 
 @triton.jit
-def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, order_ptr,
-                            end_ptr, nseg_ptr, out_ptr, vout_ptr, width, s_r, s_o,
-                            ROW_DIV: tl.constexpr, K: tl.constexpr, HAS_VALS: tl.constexpr,
-                            SEGS: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
-    # Segment g lists the output rows order[end[g-1]:end[g]] (at most K) that all copy
-    # one source row: read it once (over NVLink for a peer's), store it to each of them.
+def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, slots_ptr, out_ptr, vout_ptr,
+                            n_groups, max_tokens, width, s_r, s_o, K: tl.constexpr,
+                            HAS_VALS: tl.constexpr, SEGS: tl.constexpr, BLOCK_C: tl.constexpr,
+                            VEC: tl.constexpr):
+    # Group g = (rank s, token t) has K slots: the output rows copying that token (-1 where
+    # none). Its row is read once (over NVLink for a peer's) and stored to each of them.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n_seg = tl.load(nseg_ptr)
-    for start in range(pid * SEGS, n_seg, nprog * SEGS):
-        g = start + tl.arange(0, SEGS)
-        mg = g < n_seg
-        a = tl.load(end_ptr + g - 1, mask=mg & (g > 0), other=0)
-        b = tl.load(end_ptr + g, mask=mg, other=0)
-        first = tl.load(order_ptr + a, mask=mg, other=0).to(tl.int64)
-        s = tl.load(rank_ptr + first, mask=mg, other=0)
-        j = tl.load(idx_ptr + first, mask=mg, other=0).to(tl.int64) // ROW_DIV
-        d = tl.multiple_of(tl.load(rows_delta + s, mask=mg, other=0), VEC)
-        src = ref + (d + j * (s_r * VEC))[:, None]
+    for start in range(pid * SEGS, n_groups, nprog * SEGS):
+        g = (start + tl.arange(0, SEGS)).to(tl.int64)
+        mg = g < n_groups
+        used = tl.zeros((SEGS,), dtype=tl.int1)
+        for q in tl.static_range(K):
+            used = used | (tl.load(slots_ptr + g * K + q, mask=mg, other=-1) >= 0)
+        s = g // max_tokens
+        t = g - s * max_tokens
+        d = tl.multiple_of(tl.load(rows_delta + s, mask=used, other=0), VEC)
+        src = ref + (d + t * (s_r * VEC))[:, None]
         for c0 in range(0, width, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mc = (cols < width)[None, :]
-            x = tl.load(src + cols[None, :], mask=mg[:, None] & mc)
+            x = tl.load(src + cols[None, :], mask=used[:, None] & mc)
             for q in tl.static_range(K):
-                mq = mg & (a + q < b)
-                i = tl.load(order_ptr + a + q, mask=mq, other=0).to(tl.int64)
+                i = tl.load(slots_ptr + g * K + q, mask=used, other=-1).to(tl.int64)
                 tl.store(out_ptr + (i * (s_o * VEC))[:, None] + cols[None, :], x,
-                         mask=mq[:, None] & mc)
-        if HAS_VALS:  # values are per output row: one read each
-            vd = tl.load(vals_delta + s, mask=mg, other=0)
+                         mask=(i >= 0)[:, None] & mc)
+        if HAS_VALS:  # values are per output row: one read each, at (t, q) of rank s
+            vd = tl.load(vals_delta + s, mask=used, other=0)
             for q in tl.static_range(K):
-                mq = mg & (a + q < b)
-                i = tl.load(order_ptr + a + q, mask=mq, other=0).to(tl.int64)
-                v = tl.load(vref + vd + tl.load(idx_ptr + i, mask=mq, other=0), mask=mq)
-                tl.store(vout_ptr + i, v, mask=mq)
+                i = tl.load(slots_ptr + g * K + q, mask=used, other=-1).to(tl.int64)
+                v = tl.load(vref + vd + t * K + q, mask=i >= 0)
+                tl.store(vout_ptr + i, v, mask=i >= 0)
 
 
 def deltas(peers, rank: int) -> torch.Tensor:
@@ -279,45 +276,41 @@ def launch_pull_gather_sum(rows, values, rank: int, src_rank, src_pos, top_k: in
     return out, vout
 
 
-def launch_pull_token_rows(rows, values, rank: int, src_rank, src_idx, order, seg_end,
-                           num_segments, *, row_div: int, num_programs: int,
-                           tokens_per_program: int | None = None, block_c: int | None = None,
-                           num_warps: int | None = None, rows_offsets=None,
-                           values_offsets=None, byte_offsets=None):
-    """``launch_pull_rows`` (same ``out``/``vout``) reading each source row once: the
-    output rows are given grouped by the row they copy (``token_segments``: ``order``
-    (n,), the output rows in groups, ``seg_end`` (>= number of groups,), each group's end
-    in ``order``, ``num_segments`` (1,) int on the device, the number of groups), and each
-    group's source row is read once and stored to every row of the group. A group holds at
-    most ``row_div`` rows (a token's k). ``rows`` is required; ``values`` optional."""
-    n = src_idx.numel()
-    if src_rank.numel() != n or order.numel() != n or seg_end.numel() < min(n, 1):
-        raise ValueError(f"src_rank, src_idx and order must have one entry per row and "
-                         f"seg_end one per group, got {src_rank.numel()}, {n}, "
-                         f"{order.numel()} and {seg_end.numel()}")
-    if num_segments.numel() != 1 or num_segments.device != src_idx.device:
-        raise ValueError("num_segments must be a one-element tensor on the rows' device")
+def launch_pull_token_rows(rows, values, rank: int, token_slots, num_rows: int, top_k: int,
+                           *, num_programs: int, tokens_per_program: int | None = None,
+                           block_c: int | None = None, num_warps: int | None = None,
+                           rows_offsets=None, values_offsets=None, byte_offsets=None):
+    """``out[i] = rows[s][t]`` and, with ``values``, ``vout[i] = values[s][t * top_k + j]``
+    for every output row ``i = token_slots[(s * T + t) * top_k + j]`` (``T`` =
+    ``rows[0].shape[0]``; -1 slots are skipped), reading each token row once however many
+    output rows copy it. Every one of the ``num_rows`` outputs must have one slot.
+    ``rows`` is required; offsets as in ``launch_pull_rows``."""
     ref, rows_offsets = _peer_args(rows, rank, "rows", rows_offsets)
-    width = ref.shape[1]
-    out = ref.new_empty((n, width))
+    max_tokens, width = ref.shape
+    n_groups = len(rows) * max_tokens
+    if top_k < 1 or token_slots.numel() != n_groups * top_k:
+        raise ValueError(f"token_slots must hold top_k ({top_k}) slots for each of the "
+                         f"{len(rows)} ranks' {max_tokens} tokens, got {token_slots.numel()}")
+    out = ref.new_empty((num_rows, width))
     vout = None
     if values is not None:
         vref, values_offsets = _peer_args(values, rank, "values", values_offsets)
-        vout = vref.new_empty(n)
+        if vref.shape[0] < max_tokens * top_k:
+            raise ValueError(f"values must hold top_k ({top_k}) entries per token row, got "
+                             f"{vref.shape[0]} for {max_tokens} tokens")
+        vout = vref.new_empty(num_rows)
     else:
         vref, values_offsets = ref, rows_offsets
-    if n == 0:
+    if num_rows == 0 or n_groups == 0:
         return out, vout
     if byte_offsets is None:
         byte_offsets = [p.data_ptr() - ref.data_ptr() for p in rows]
     vec = _aligned_vec(ref, byte_offsets, width)
     block = min(block_c or PULL_TOKENS_BLOCK_C, next_pow2(max(width, 1)))
     segs = tokens_per_program or PULL_TOKENS
-    src_rank, src_idx, order, seg_end = map(_index, (src_rank, src_idx, order, seg_end))
-    launch(_pull_token_rows_kernel, (max(1, min(num_programs, cdiv(n, segs))),),
-           ref, rows_offsets, vref, values_offsets, src_rank, src_idx, order, seg_end,
-           num_segments, out, vout if vout is not None else out, width, width // vec,
-           width // vec, ROW_DIV=row_div, K=row_div, HAS_VALS=values is not None, SEGS=segs,
-           BLOCK_C=block, VEC=vec,
-           num_warps=num_warps or (PULL_TOKENS_WARPS if block >= 1024 else 4))
+    launch(_pull_token_rows_kernel, (max(1, min(num_programs, cdiv(n_groups, segs))),),
+           ref, rows_offsets, vref, values_offsets, _index(token_slots), out,
+           vout if vout is not None else out, n_groups, max_tokens, width, width // vec,
+           width // vec, K=top_k, HAS_VALS=values is not None, SEGS=segs, BLOCK_C=block,
+           VEC=vec, num_warps=num_warps or (PULL_TOKENS_WARPS if block >= 1024 else 4))
     return out, vout

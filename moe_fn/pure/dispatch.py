@@ -321,30 +321,6 @@ def peer_gather(peers, src_rank, src_idx, row_div: int = 1):
     return out
 
 
-def token_segments(src_rank, src_flat, top_k: int, max_tokens: int):
-    """Rows that copy one token, grouped: for output rows ``i`` reading token
-    ``src_flat[i] // top_k`` of rank ``src_rank[i]`` (a ``peer_gather`` with
-    ``row_div=top_k``), returns ``(order, seg_end, num_segments)``: ``order`` (n,) the
-    rows sorted by (rank, token), stably; ``seg_end`` (n,) int64, where in ``order`` each
-    group of rows reading one token ends (first ``num_segments`` entries meaningful);
-    ``num_segments`` (1,) int64 on the rows' device. No host sync: a pull kernel reads the
-    count on the device. ``max_tokens`` bounds every rank's token count."""
-    n = src_flat.numel()
-    dev = src_flat.device
-    if n == 0:
-        z = torch.zeros(1, dtype=torch.int64, device=dev)
-        return src_flat.new_empty(0, dtype=torch.int64), z[:0], z
-    key = src_rank.long() * max(max_tokens, 1) + src_flat.long() // top_k
-    key, order = torch.sort(key, stable=True)
-    last = torch.ones(n, dtype=torch.bool, device=dev)
-    last[:-1] = key[1:] != key[:-1]
-    seg = torch.cumsum(last, 0) - last.long()  # each row's group
-    # Every group's last row writes its end; the others write to a spare slot at n.
-    seg_end = torch.empty(n + 1, dtype=torch.int64, device=dev)
-    seg_end.scatter_(0, torch.where(last, seg, n), torch.arange(1, n + 1, device=dev))
-    return order, seg_end[:n], seg[-1:] + 1
-
-
 def peer_gather_sum(peers, src_rank, src_pos, top_k: int, weights=None):
     """``out[t] = sum_j [weights[t*k+j] *] peers[src_rank[t*k+j]][src_pos[t*k+j]]``
     (float32 accumulation for half types, as ``gather_sum_fwd``): the contract of the

@@ -9,7 +9,7 @@ import torch
 
 from moe_fn.comm.peer_memory import PeerView, pull_gather_sum, pull_rows
 from moe_fn.kernels.peer import launch_pull_gather_sum, launch_pull_rows, launch_pull_token_rows
-from moe_fn.pure.dispatch import gather_sum_fwd, token_segments, weighted_gather_sum_fwd
+from moe_fn.pure.dispatch import gather_sum_fwd, weighted_gather_sum_fwd
 from tests.kernels.tolerance import assert_close_to_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,16 +68,14 @@ def test_pull_gather_sum_sums_each_tokens_rows_in_float32(dtype, weighted):
     assert_close_to_ref(out, pure, ref64)
 
 
-def _token_rows(ep, n_tok, k, n_out, seed):
-    """Output rows reading (rank, flat (token, k) index) with up to k rows per token, as
-    an expert-major layout has them (a token's rows scattered among other tokens')."""
+def _token_slots(ep, n_tok, k, seed, fill=0.6):
+    """Slots of a random expert-major layout: each (rank, token, j) row lands at a distinct
+    output position, or nowhere (-1)."""
     g = torch.Generator().manual_seed(seed)
-    src_rank = torch.randint(0, ep, (n_out,), generator=g, dtype=torch.int32)
-    src_idx = torch.randint(0, n_tok * k, (n_out,), generator=g)
-    # Keep at most k rows per (rank, token), as routing does.
-    key = src_rank.long() * n_tok + src_idx // k
-    keep = torch.tensor([int((key[:i] == key[i]).sum()) < k for i in range(n_out)])
-    return src_rank[keep].to(DEV), src_idx[keep].to(DEV)
+    used = torch.rand(ep * n_tok * k, generator=g) < fill
+    slots = torch.full((ep * n_tok * k,), -1, dtype=torch.int32)
+    slots[used] = torch.randperm(int(used.sum()), generator=g).to(torch.int32)
+    return slots.to(DEV), int(used.sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -88,38 +86,22 @@ def test_pull_token_rows_writes_each_tokens_row_to_all_its_rows(dtype, width, k,
     ep, n_tok = 3, 5
     rows, vals = _peers(ep, n_tok, width, dtype, 7)
     vals = tuple(torch.cat([v] * k) for v in vals)  # values per (token, k) row
-    src_rank, src_idx = _token_rows(ep, n_tok, k, 40, width + k)
-    groups = token_segments(src_rank, src_idx, k, n_tok)
+    slots, n = _token_slots(ep, n_tok, k, width + k)
+    # The same moves as a row-by-row pull of (rank, flat index) per output row.
+    where = torch.nonzero(slots >= 0).flatten()
+    order = slots[where].long()
+    src_rank = torch.empty(n, dtype=torch.int32, device=DEV)
+    src_idx = torch.empty(n, dtype=torch.int64, device=DEV)
+    src_rank[order] = (where // (n_tok * k)).to(torch.int32)
+    src_idx[order] = where % (n_tok * k)
+    want, want_v = launch_pull_rows(rows, vals, 1, src_rank, src_idx, row_div=k, num_programs=2)
+    for i in range(n):
+        assert torch.equal(want[i], rows[int(src_rank[i])][int(src_idx[i]) // k])
     for progs, segs in ((1, 1), (2, 4), (64, 8)):
-        out, vout = launch_pull_token_rows(rows, vals if with_values else None, 1, src_rank,
-                                           src_idx, *groups, row_div=k, num_programs=progs,
-                                           tokens_per_program=segs)
-        want, want_v = launch_pull_rows(rows, vals, 1, src_rank, src_idx, row_div=k,
-                                        num_programs=2)
-        for i in range(src_idx.numel()):
-            assert torch.equal(want[i], rows[int(src_rank[i])][int(src_idx[i]) // k])
+        out, vout = launch_pull_token_rows(rows, vals if with_values else None, 1, slots, n,
+                                           k, num_programs=progs, tokens_per_program=segs)
         assert torch.equal(out, want), (progs, segs)
         assert (vout is None) if not with_values else torch.equal(vout, want_v)
-
-
-def test_token_segments_group_exactly_the_rows_reading_one_token():
-    for seed in range(6):
-        k, n_tok = 1 + seed % 4, 7
-        src_rank, src_idx = _token_rows(3, n_tok, k, 30, seed)
-        src_rank, src_idx = src_rank.cpu(), src_idx.cpu()
-        order, seg_end, n_seg = token_segments(src_rank, src_idx, k, n_tok)
-        keys = [(int(r), int(i) // k) for r, i in zip(src_rank, src_idx)]
-        assert sorted(order.tolist()) == list(range(len(keys)))
-        assert int(n_seg) == len(set(keys))
-        start = 0
-        for end in seg_end[:int(n_seg)].tolist():
-            group = order[start:end].tolist()
-            assert len({keys[i] for i in group}) == 1 and group == sorted(group)  # stable
-            assert all(keys[i] != keys[group[0]] for i in order[:start].tolist())
-            start = end
-        assert start == len(keys)
-    order, seg_end, n_seg = token_segments(src_rank[:0], src_idx[:0], 2, 4)
-    assert order.numel() == 0 and int(n_seg) == 0
 
 
 def test_fallbacks_agree_with_the_kernels():
@@ -162,13 +144,11 @@ def test_bad_arguments_are_refused():
         launch_pull_rows(rows, None, 0, src_rank[:3], src_idx, num_programs=1)
     with pytest.raises(ValueError, match="top_k"):
         launch_pull_gather_sum(rows, None, 0, src_rank[:5], src_idx[:5], 2, num_programs=1)
-    groups = token_segments(src_rank, src_idx, 1, 6)
-    with pytest.raises(ValueError, match="one entry per row"):
-        launch_pull_token_rows(rows, None, 0, src_rank, src_idx, groups[0][:2], *groups[1:],
-                               row_div=1, num_programs=1)
-    with pytest.raises(ValueError, match="num_segments must be"):
-        launch_pull_token_rows(rows, None, 0, src_rank, src_idx, *groups[:2],
-                               groups[2].expand(2), row_div=1, num_programs=1)
+    slots, n = _token_slots(2, 6, 2, 5)
+    with pytest.raises(ValueError, match="token_slots must hold top_k"):
+        launch_pull_token_rows(rows, None, 0, slots[:-1], n, 2, num_programs=1)
+    with pytest.raises(ValueError, match="values must hold top_k"):
+        launch_pull_token_rows(rows, vals, 0, slots, n, 2, num_programs=1)
     with pytest.raises(ValueError, match="local rows must be"):
         launch_pull_gather_sum(rows, None, 0, src_rank[:0], src_idx[:0], 2,
                                local=torch.zeros(3, 7, device=DEV), num_programs=1)

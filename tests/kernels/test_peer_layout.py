@@ -1,0 +1,54 @@
+"""The symm_mem layout's Triton kernels against the pure index math, bit for bit, for every
+rank of random routes (on the GPU where there is one, else in the Triton interpreter): ranks
+without tokens, experts without rows, top_k 1, a token routed twice to one expert, E not a
+power of two. The pure math itself is checked against a brute-force oracle by
+tests/test_peer_rows.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fn.kernels.peer_layout import launch_peer_home_side, launch_peer_receiver_side
+from moe_fn.layer import make_route_plan
+from moe_fn.pure.peer_layout import peer_home_side, peer_receiver_side
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _plans(ep, e, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 9, (ep,), generator=g).tolist()
+    tokens[seed % ep] = 0 if seed % 3 == 0 else tokens[seed % ep]  # a rank without tokens
+    allowed = torch.randperm(e, generator=g)[:max(k, (2 * e) // 3)]  # experts without rows
+    return [make_route_plan(allowed[torch.randint(0, len(allowed), (t, k), generator=g)]
+                            .to(DEV), e) for t in tokens]
+
+
+@pytest.mark.parametrize("ep,e,k", [(1, 4, 2), (2, 8, 3), (2, 6, 1), (3, 12, 4), (4, 8, 8),
+                                    (2, 128, 8)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernels_match_the_pure_layout_on_every_rank(ep, e, k, seed):
+    plans = _plans(ep, e, k, seed)
+    c = torch.stack([p.counts for p in plans])
+    el = e // ep
+    for rank, plan in enumerate(plans):
+        args = (c, plan.offs, plan.counts, plan.topk_idx, plan.inv_perm, rank, k)
+        want = peer_home_side(*args)
+        got = launch_peer_home_side(*args)
+        for name in ("sizes", "home_rank", "home_pos", "home_cpos", "local_offs"):
+            a, b = getattr(want, name), getattr(got, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+        # What the index all_to_all delivers: each source's sorted rows for this rank's
+        # experts, in source order.
+        recv_flat = torch.cat([p.perm[int(p.offs[rank * el] - p.counts[rank * el]):
+                                      int(p.offs[(rank + 1) * el - 1])] for p in plans])
+        sizes = want.sizes.tolist()
+        max_tokens = sizes[2 * ep]
+        num_remote = sum(sizes[:ep]) - sizes[rank]
+        want_r = peer_receiver_side(c, recv_flat, rank, k, max_tokens, num_remote)
+        got_r = launch_peer_receiver_side(c, recv_flat, rank, k, max_tokens, num_remote,
+                                          got.tables)
+        for name in ("src_rank", "src_flat", "remote_rows", "token_slots"):
+            a, b = getattr(want_r, name), getattr(got_r, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)

@@ -198,8 +198,13 @@ class MoELayer(nn.Module):
         # weighting: its backward needs the rows there.
         home_w = post and c.combine_impl == "fused" and self.exchange.home_weighting
         # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
-        # their expert-side per-token sum instead.
-        fold_w = post and c.row_weighting_impl == "fused" and self.exchange.folds_row_weights
+        # their expert-side per-token sum instead; the symm_mem transport, whose sums are
+        # float32 with float32 weights, folds them for the fused combine too (its weights
+        # ride with the dispatch's rows).
+        ex = self.exchange
+        fold_w = post and ex.folds_row_weights and (
+            c.row_weighting_impl == "fused"
+            or (c.combine_impl == "fused" and ex.folds_row_weights_exactly))
         return home_w, fold_w
 
     def _forward_routed(self, x2, region):

@@ -141,31 +141,24 @@ class PeerRowsHandle:
     ``plan``: the route. For each expert-major row this rank computes (``num_rows`` N,
     grouped by local expert, then by source rank, then in the source's sorted order):
     ``src_rank`` (N,) int32, the rank it comes from, and ``src_flat`` (N,) int64, its
-    flattened (token, k) index there. For each of this rank's flattened (token, k) rows:
-    ``home_rank`` (T*k,) int32, the rank that computes it, and ``home_pos`` (T*k,) int64,
-    its expert-major position there; ``home_cpos`` (T*k,) int64, its position among the
-    rows that rank exposes (its expert rows for other ranks' tokens, ``remote_rows``, in
-    order), or ``home_pos`` where this rank computes it (read in place).
-    ``token_slots`` (ep * max_tokens * k,) int32: at ``(s * max_tokens + t) * k + j`` the
-    position of row (t, j) of rank s, -1 where this rank does not compute it, so that a
-    move of token rows to the experts reads each token once.
-    ``remote_rows`` (n_remote,) int64: expert-major positions of this rank's rows for
-    other ranks' tokens. ``local_offs`` (E_local,) int32: row ends per local expert.
-    ``max_tokens`` / ``max_rows`` / ``max_remote_rows``: the most tokens / expert rows /
-    rows for other ranks' tokens of any rank (host ints every rank agrees on: the sizes
-    of what each rank exposes).
+    flattened (token, k) index there. ``token_slots`` (ep * max_tokens * k,) int32: at
+    ``(s * max_tokens + t) * k + j`` the position of row (t, j) of rank s, -1 where this
+    rank does not compute it (a token's rows side by side: the dispatch reads each token
+    once, the combine sums each token's rows here). For each of this rank's flattened
+    (token, k) rows: ``home_rank`` (T*k,) int32, the rank that computes it, and
+    ``home_pos`` (T*k,) int64, its expert-major position there. ``local_offs`` (E_local,)
+    int32: row ends per local expert. ``max_tokens`` / ``max_rows``: the most tokens /
+    expert rows of any rank (host ints every rank agrees on: the sizes of what each rank
+    exposes).
     """
 
     plan: RoutePlan
     src_rank: torch.Tensor
     src_flat: torch.Tensor
+    token_slots: torch.Tensor
     home_rank: torch.Tensor
     home_pos: torch.Tensor
-    home_cpos: torch.Tensor
-    remote_rows: torch.Tensor
     local_offs: torch.Tensor
-    token_slots: torch.Tensor
     num_rows: int
     max_tokens: int
     max_rows: int
-    max_remote_rows: int

@@ -96,3 +96,22 @@ def test_growth_remaps_the_buffer(memory):
     assert memory._hdl is not first and first.barriers == 2  # drained, then freed
     assert len(memory._symm.allocations) == 2 and memory._half >= 300 * 8 * 4
     assert torch.equal(view.rows[0], torch.full((300, 8), 2.0))
+
+
+def test_written_exposures_fill_their_region_in_place(memory):
+    seen = []
+
+    def write(region):
+        seen.append(region)
+        region[:3] = 5.0
+    vals = torch.arange(4.0)
+    view = memory.expose_written(write, 8, torch.float32, 6, vals, 4)
+    assert memory._hdl.barriers == 1
+    # The writer got this rank's region of the buffer itself (no copy afterwards).
+    assert seen[0].data_ptr() == view.rows[0].data_ptr() and seen[0].shape == (6, 8)
+    assert torch.equal(view.rows[0][:3], torch.full((3, 8), 5.0))
+    assert torch.equal(view.values[0], vals)
+    assert view.rows[1].data_ptr() - view.rows[0].data_ptr() == view.byte_offsets[1]
+    # The next exposure, written or copied, goes to the other half.
+    nxt = memory.expose(torch.ones(2, 8), None, 2, 0)
+    assert nxt.rows[0].data_ptr() != view.rows[0].data_ptr() and memory._hdl.barriers == 2

@@ -40,13 +40,10 @@ def _check(rank, world, e, k, seed):
     assert h.num_rows == len(mine)
     assert h.src_rank.tolist() == [s for s, _ in mine]
     assert h.src_flat.tolist() == [i for _, i in mine]
-    assert h.remote_rows.tolist() == [p for p, (s, _) in enumerate(mine) if s != rank]
     flat = routes[rank].flatten()
     for i in range(flat.numel()):
         o = int(flat[i]) // el
-        p = major[o].index((rank, i))
-        cp = p if o == rank else [q for q, (s, _) in enumerate(major[o]) if s != o].index(p)
-        assert (int(h.home_rank[i]), int(h.home_pos[i]), int(h.home_cpos[i])) == (o, p, cp)
+        assert (int(h.home_rank[i]), int(h.home_pos[i])) == (o, major[o].index((rank, i)))
     # Each row's slot by (source, token, j): every row once, nothing else.
     slots = h.token_slots
     assert slots.numel() == world * h.max_tokens * k
@@ -57,9 +54,8 @@ def _check(rank, world, e, k, seed):
     ends = torch.tensor([sum(1 for s, i in mine if int(routes[s].flatten()[i]) == x)
                          for x in range(rank * el, (rank + 1) * el)]).cumsum(0)
     assert h.local_offs.tolist() == ends.tolist()
-    assert (h.max_tokens, h.max_rows, h.max_remote_rows) == (
-        max(len(r) for r in routes), max(len(m) for m in major.values()),
-        max(sum(1 for s, _ in major[o] if s != o) for o in range(world)))
+    assert (h.max_tokens, h.max_rows) == (max(len(r) for r in routes),
+                                          max(len(m) for m in major.values()))
 
     # The moves against plain loops over every rank's tensors.
     gen = [torch.Generator().manual_seed(100 * seed + s) for s in range(world)]
@@ -84,16 +80,17 @@ def _check(rank, world, e, k, seed):
         want[i // k] += row_of(i)
         want_w[i // k] += row_of(i) * ws[rank].flatten()[i]
     torch.testing.assert_close(ex.combine_fwd(y, h)[0], want)
-    out_w, saved = ex.combine_weighted_fwd(y, ws[rank], h)
-    torch.testing.assert_close(out_w, want_w)
+    # Routing weights folded into the expert side's sums: each row weighted by the weight
+    # the dispatch delivered with it.
+    torch.testing.assert_close(ex.combine_row_weighted_fwd(y, row_w, h), want_w)
     d_out = torch.randn(len(routes[rank]), H, dtype=torch.float64, generator=gen[rank])
     d_outs = [None] * world
     dist.all_gather_object(d_outs, d_out)
-    d_rows, d_w = ex.combine_weighted_bwd(h, d_out, ws[rank], saved)
-    for p, (s, i) in enumerate(mine):
-        torch.testing.assert_close(d_rows[p], ws[s].flatten()[i] * d_outs[s][i // k])
-    for i in range(flat.numel()):
-        torch.testing.assert_close(d_w.flatten()[i], (d_out[i // k] * row_of(i)).sum())
+    for fused in (False, True):
+        d_rows, d_rw = ex.combine_bwd_weighted_rows(h, d_out, y, row_w, fused=fused)
+        for p, (s, i) in enumerate(mine):
+            torch.testing.assert_close(d_rows[p], ws[s].flatten()[i] * d_outs[s][i // k])
+            torch.testing.assert_close(d_rw[p], (d_outs[s][i // k] * y[p]).sum())
     dx, d_w2 = ex.dispatch_bwd(h, y, row_w * 3)
     torch.testing.assert_close(dx, want)
     assert d_w2.flatten().tolist() == [3 * float(ws[rank].flatten()[i]) for i in
@@ -115,3 +112,25 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_layout_and_moves_match_a_brute_force_oracle(world):
     run_distributed(_body, world)
+
+
+def _placement_body(rank, world):
+    from moe_fn import MoEConfig, MoELayer
+    for impl, row_impl, want in [("fused", "eager", (False, True)),
+                                 ("fused", "fused", (False, True)),
+                                 ("eager", "fused", (False, True)),
+                                 ("eager", "eager", (False, False))]:
+        cfg = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                   comm_backend="all_to_all", ep_size=world, combine_impl=impl,
+                   row_weighting_impl=row_impl)
+        symm = MoELayer(MoEConfig(**cfg, all_to_all_transport="symm_mem"))
+        # symm_mem sums in float32 with the dispatch's float32 weights: the fused combine
+        # folds them into the expert side's sums instead of weighting at home.
+        assert symm._weight_placement() == want, (impl, row_impl)
+        collective = MoELayer(MoEConfig(**cfg))
+        assert collective._weight_placement() == (impl == "fused", False), (impl, row_impl)
+
+
+@pytest.mark.multiproc
+def test_symm_mem_folds_the_routing_weights_for_the_fused_combine():
+    run_distributed(_placement_body, 2)

@@ -66,6 +66,9 @@ class Exchange:
     # The combine can fold expert-side row weights into its per-token sum
     # (``combine_row_weighted_fwd``; see ``moe_fn.comm.tokens``).
     folds_row_weights: bool = False
+    # ... and weights them in float32 there, with the float32 routing weights the dispatch
+    # delivered, as a home-weighted sum would: then the fused combine folds them in too.
+    folds_row_weights_exactly: bool = False
     # Where an overlapped backward combine runs its gathers (``start_dispatch_bwd``).
     combine_on_side_stream: bool = True
 

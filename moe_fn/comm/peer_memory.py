@@ -8,9 +8,10 @@ space over NVLink, and exposing is a copy and one device-side barrier. On CPUs (
 stand-in gathers every rank's tensors with ``all_gather``: slower, but the exchange
 built on it runs the same index logic, so CPU tests check it.
 
-The pulls build their output in final order in one pass (``moe_fn.kernels.peer`` on
-CUDA; elsewhere their pure twins, ``peer_gather``/``peer_gather_sum`` in
-``moe_fn.pure.dispatch``).
+``expose_written(write, ...)`` instead lets the producer write its rows straight into
+its region (the combine's per-token partials). The pulls build their output in final
+order in one pass (``moe_fn.kernels.peer`` on CUDA; elsewhere their pure twins,
+``peer_gather``/``slot_sum``/``peer_partial_sum`` in ``moe_fn.pure.dispatch``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..kernels._registry import use_triton
-from ..pure.dispatch import peer_gather, peer_gather_sum
+from ..pure.dispatch import peer_gather, peer_partial_sum, slot_sum
 
 _ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
 _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
@@ -121,31 +122,55 @@ class SymmetricPeerMemory:
                                                  dtype=torch.int64, device=self.device)
         return d
 
-    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
-        width = rows.shape[1] if rows is not None else 0
-        dtype = rows.dtype if rows is not None else torch.uint8
-        vdtype = values.dtype if values is not None else torch.uint8
+    def _regions(self, width: int, dtype, max_rows: int, vdtype, max_values: int):
+        """The next half's per-rank rows ``(max_rows, width)`` and values ``(max_values,)``
+        regions (None where not asked for)."""
         rows_bytes = _round(max_rows * width * dtype.itemsize, _ALIGN)
         self._ensure(rows_bytes + _round(max_values * vdtype.itemsize, _ALIGN))
         self._flip ^= 1
         at = self._flip * self._half
         peer_rows = peer_vals = None
-        if rows is not None:
+        if dtype is not None and width:
             peer_rows = tuple(f[:max_rows * width].view(max_rows, width)
                               for f in self._halves(at, dtype))
+        if max_values:
+            v0 = rows_bytes // vdtype.itemsize
+            peer_vals = tuple(f[v0:v0 + max_values] for f in self._halves(at, vdtype))
+        return peer_rows, peer_vals
+
+    def _publish(self, peer_rows, peer_vals, values, dtype, vdtype) -> PeerView:
+        if values is not None:
+            peer_vals[self.rank][:values.shape[0]].copy_(values)
+        self._hdl.barrier(channel=0)
+        return PeerView(self.rank, peer_rows, peer_vals if values is not None else None,
+                        None if peer_rows is None else self._element_offsets(dtype.itemsize),
+                        None if values is None else self._element_offsets(vdtype.itemsize),
+                        self._bytes)
+
+    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
+        width = rows.shape[1] if rows is not None else 0
+        dtype = rows.dtype if rows is not None else torch.uint8
+        vdtype = values.dtype if values is not None else torch.uint8
+        peer_rows, peer_vals = self._regions(width, dtype, max_rows if rows is not None else 0,
+                                             vdtype, max_values if values is not None else 0)
+        if rows is not None:
             if index is not None:
                 kernels.gather_rows(rows, index, out=peer_rows[self.rank][:index.numel()])
             else:
                 peer_rows[self.rank][:rows.shape[0]].copy_(rows)
-        if values is not None:
-            v0 = rows_bytes // vdtype.itemsize
-            peer_vals = tuple(f[v0:v0 + max_values] for f in self._halves(at, vdtype))
-            peer_vals[self.rank][:values.shape[0]].copy_(values)
-        self._hdl.barrier(channel=0)
-        return PeerView(self.rank, peer_rows, peer_vals,
-                        None if rows is None else self._element_offsets(dtype.itemsize),
-                        None if values is None else self._element_offsets(vdtype.itemsize),
-                        self._bytes)
+        return self._publish(peer_rows if rows is not None else None, peer_vals, values, dtype,
+                             vdtype)
+
+    def expose_written(self, write, width: int, dtype, max_rows: int, values,
+                       max_values: int, device=None) -> PeerView:
+        """As ``expose``, with this rank's rows written in place by ``write(region)`` into
+        its ``(max_rows, width)`` region (no copy), and ``values`` copied."""
+        vdtype = values.dtype if values is not None else torch.uint8
+        peer_rows, peer_vals = self._regions(width, dtype, max_rows, vdtype,
+                                             max_values if values is not None else 0)
+        if peer_rows is not None:
+            write(peer_rows[self.rank])
+        return self._publish(peer_rows, peer_vals, values, dtype, vdtype)
 
 
 class GatheredPeerMemory:
@@ -170,6 +195,12 @@ class GatheredPeerMemory:
         return PeerView(self.rank,
                         None if rows is None else self._gather(rows, max_rows),
                         None if values is None else self._gather(values, max_values))
+
+    def expose_written(self, write, width: int, dtype, max_rows: int, values,
+                       max_values: int, device=None) -> PeerView:
+        region = torch.zeros((max_rows, width), dtype=dtype, device=device)
+        write(region)
+        return self.expose(region, values, max_rows, max_values)
 
 
 _SHARED: dict = {}
@@ -235,28 +266,41 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool
     return out, vout
 
 
-def pull_gather_sum(view: PeerView, src_rank, src_pos, top_k: int, weights=None, *,
-                    local=None, values_pos=None, num_programs: int | None = None):
-    """``out[t] = sum_j [weights[t*k+j] *] row(t*k+j)`` with float32 accumulation for half
-    types, as ``gather_sum_fwd``, where ``row(i) = view.rows[src_rank[i]][src_pos[i]]``, or
-    ``local[src_pos[i]]`` for this rank's rows when ``local`` is given; with values, also
-    ``vout[i] = view.values[src_rank[i]][values_pos[i]]`` (default ``src_pos``). Returns
-    ``(out, vout or None)``."""
+def write_slot_sums(out, rows, token_slots, top_k: int, weights=None, *,
+                    num_programs: int | None = None):
+    """``out[g] = slot_sum(rows, token_slots, top_k, weights)[g]`` for the groups with a slot
+    (``moe_fn.pure.dispatch.slot_sum``; the CUDA kernel leaves the others unwritten)."""
+    if use_triton(rows) and not torch.compiler.is_compiling():
+        from ..kernels import peer
+
+        few = num_programs is not None
+        return peer.launch_slot_sum(
+            rows, token_slots, top_k, out, weights,
+            num_programs=num_programs or 2 * _sm_count(rows.device),
+            tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
+            num_warps=peer.FEW_SMS_SUM_WARPS if few else None)
+    part = slot_sum(rows, token_slots, top_k, weights)
+    out[:part.shape[0]] = part
+    return out
+
+
+def pull_partials(view: PeerView, home_rank, values_pos, max_tokens: int, top_k: int,
+                  out_dtype, *, num_programs: int | None = None):
+    """Each token's partials summed over the ranks that hold its rows
+    (``peer_partial_sum``) in ``out_dtype``, and with values ``vout[i] =
+    view.values[home_rank[i]][values_pos[i]]``: ``(out, vout or None)``."""
     ref = view.rows[view.rank]
     if use_triton(ref) and not torch.compiler.is_compiling():
         from ..kernels import peer
 
         few = num_programs is not None
-        return peer.launch_pull_gather_sum(
-            view.rows, view.values, view.rank, src_rank, src_pos, top_k, weights, local=local,
-            values_pos=values_pos, num_programs=num_programs or 2 * _sm_count(ref.device),
+        return peer.launch_pull_partials(
+            view.rows, view.values, view.rank, home_rank, values_pos, top_k, max_tokens,
+            out_dtype, num_programs=num_programs or 2 * _sm_count(ref.device),
             tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
             num_warps=peer.FEW_SMS_SUM_WARPS if few else None, rows_offsets=view.rows_offsets,
             values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
-    rows = view.rows
-    if local is not None:
-        rows = rows[:view.rank] + (local,) + rows[view.rank + 1:]
     vout = None
     if view.values is not None:
-        vout = peer_gather(view.values, src_rank, src_pos if values_pos is None else values_pos)
-    return peer_gather_sum(rows, src_rank, src_pos, top_k, weights), vout
+        vout = peer_gather(view.values, home_rank, values_pos)
+    return peer_partial_sum(view.rows, home_rank, view.rank, max_tokens, top_k, out_dtype), vout

@@ -1,26 +1,30 @@
-"""The row-by-row ``all_to_all`` exchange over peer memory (``all_to_all_transport=
-"symm_mem"``): every move is one pull that reads each row from the rank holding it and
-writes it where it belongs.
+"""The ``all_to_all`` exchange over peer memory (``all_to_all_transport="symm_mem"``): the
+experts get one row per (token, expert), as over the collective, but no row is sent:
+each rank publishes what it has in memory every rank reads over NVLink
+(``moe_fn.comm.peer_memory``) and the reader pulls what it needs.
 
 Over ``all_to_all_single`` a move costs three passes over the rows (the sender's gather
 into destination order, the collective's copies, the receiver's gather into expert
-order). Here the sender only publishes what it has (``expose``: its token rows, or its
-expert rows, as they are) and the receiver pulls (``moe_fn.comm.peer_memory``): the
-dispatch writes expert-major rows directly, the combine sums each token's k rows as it
-reads them. The layout gathers every rank's per-expert counts (one small collective and
-one host sync, as the all_to_all's layout exchanges its counts) and sends each rank the
-flattened (token, k) indices of the rows it will pull, in one small all_to_all of ints.
+order). Here the dispatch publishes the token rows as they are and each rank reads every
+token it needs once, writing it to all of its expert-major rows; the combine sums each
+token's rows on the rank that computed them (float32 partials, routing weights folded in,
+written straight into the published buffer) and the token's home reads one partial per
+such rank and adds them. The layout gathers every rank's per-expert counts (one small
+collective and one host sync, as the all_to_all's layout exchanges its counts) and sends
+each rank the flattened (token, k) indices of the rows it computes, in one small
+all_to_all of ints; its index math runs as three Triton launches on CUDA
+(``moe_fn.kernels.peer_layout``).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..pure.row_weight import RowWeightRes
 from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending
-from .peer_memory import peer_memory, pull_gather_sum, pull_rows
+from .peer_memory import peer_memory, pull_partials, pull_rows, write_slot_sums
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,7 +33,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class PeerRowsExchange(AllToAllTransport, Exchange):
     """One row per (token, expert), moved by pulls from peer memory (see the module)."""
 
-    home_weighting = True
+    # The expert side sums each token's rows before the token's home reads them; routing
+    # weights enter those float32 sums (``combine_row_weighted_fwd``), delivered with the
+    # rows by the dispatch, for the fused combine as for fused row weighting.
+    folds_row_weights = True
+    folds_row_weights_exactly = True
     # Moves of token rows to the experts read each token once per rank, however many of
     # its rows this rank computes (False: once per row, the plain pull; benchmarks compare).
     read_tokens_once = True
@@ -37,18 +45,16 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     def __init__(self, *, num_experts: int, group=None, num_sms: int | None = None):
         ep, rank = self._group_size_and_rank(group)
         super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
+        # Programs of the overlapped backward combine's pulls (``dispatch_bwd``): the SMs
+        # the weight-gradient GEMMs leave free. Every other pull uses the whole GPU.
         self.num_sms = num_sms
-        # Programs of the pull kernels (None: their defaults, the whole GPU); the
-        # overlapped backward combine runs on ``num_sms`` (``start_dispatch_bwd``).
-        self.num_programs: int | None = None
         self._memory = {}
 
-    def _expose(self, rows, values, max_rows: int, max_values: int, index=None):
-        ref = rows if rows is not None else values
-        mem = self._memory.get(ref.device)
+    def _mem(self, device):
+        mem = self._memory.get(device)
         if mem is None:
-            mem = self._memory[ref.device] = peer_memory(self.group, ref.device)
-        return mem.expose(rows, values, max_rows, max_values, index)
+            mem = self._memory[device] = peer_memory(self.group, device)
+        return mem
 
     # ---- layout ------------------------------------------------------------------------
     def layout(self, plan: RoutePlan) -> PeerRowsHandle:
@@ -62,37 +68,50 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         # One host sync: the index exchange's split sizes and the exposed sizes.
         sizes = home.sizes.tolist()
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
-        max_tokens, max_rows, max_remote_rows = sizes[2 * ep:]
+        max_tokens, max_rows = sizes[2 * ep:]
         n = sum(recv_splits)
         # Each received row's flattened (token, k) index at its source, in (source, expert)
         # order: the sources' sorted rows for this rank's experts, as an all_to_all of ints.
         recv_flat = plan.perm.new_empty(n)
         dist.all_to_all_single(recv_flat, plan.perm, recv_splits, send_splits,
                                group=self.group)
-        rec = kernels.peer_receiver_side(c, recv_flat, me, k, max_tokens, n - recv_splits[me],
-                                         home.tables)
+        rec = kernels.peer_receiver_side(c, recv_flat, me, k, max_tokens, home.tables)
         return PeerRowsHandle(
             plan=plan, src_rank=rec.src_rank, src_flat=rec.src_flat,
-            token_slots=rec.token_slots, remote_rows=rec.remote_rows, home_rank=home.home_rank,
-            home_pos=home.home_pos, home_cpos=home.home_cpos, local_offs=home.local_offs,
-            num_rows=n, max_tokens=max_tokens, max_rows=max_rows,
-            max_remote_rows=max_remote_rows)
+            token_slots=rec.token_slots, home_rank=home.home_rank, home_pos=home.home_pos,
+            local_offs=home.local_offs, num_rows=n, max_tokens=max_tokens, max_rows=max_rows)
 
     # ---- token rows -> expert rows -------------------------------------------------------
     def _to_experts(self, token_rows, values, h: PeerRowsHandle):
         k = h.plan.top_k
-        view = self._expose(token_rows, values, h.max_tokens, h.max_tokens * k)
+        view = self._mem(token_rows.device).expose(token_rows, values, h.max_tokens,
+                                                   h.max_tokens * k)
         return pull_rows(view, h.src_rank, h.src_flat, row_div=k,
-                         rows=token_rows is not None, num_programs=self.num_programs,
                          token_slots=h.token_slots if self.read_tokens_once else None)
 
     # ---- expert rows -> home, summed over k ----------------------------------------------
-    def _to_home(self, rows, values, h: PeerRowsHandle, weights=None):
-        # Only rows other ranks need are exposed; this rank's own are read in place.
-        view = self._expose(rows, values, h.max_remote_rows, h.max_rows, index=h.remote_rows)
-        return pull_gather_sum(view, h.home_rank, h.home_cpos, h.plan.top_k, weights,
-                               local=rows, values_pos=h.home_pos,
-                               num_programs=self.num_programs)
+    def _expose_partials(self, rows, values, h: PeerRowsHandle, row_weights=None):
+        """Each token's rows summed where they are computed (float32 partials for half
+        types, one per (source, token), written straight into the exposed buffer), with
+        ``values`` (one per expert row) exposed beside them."""
+        acc = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+
+        def write(region):
+            write_slot_sums(region, rows, h.token_slots, h.plan.top_k, row_weights)
+        return self._mem(rows.device).expose_written(
+            write, rows.shape[1], acc, self.ep_size * h.max_tokens, values, h.max_rows,
+            rows.device)
+
+    @staticmethod
+    def _pull_home(view, h: PeerRowsHandle, out_dtype, num_programs=None):
+        """Each token's partials pulled from the ranks holding its rows and added; with
+        values, each (token, k) row's value."""
+        return pull_partials(view, h.home_rank, h.home_pos, h.max_tokens, h.plan.top_k,
+                             out_dtype, num_programs=num_programs)
+
+    def _to_home(self, rows, values, h: PeerRowsHandle, row_weights=None):
+        return self._pull_home(self._expose_partials(rows, values, h, row_weights), h,
+                               rows.dtype)
 
     def dispatch_fwd(self, x, weights, handle: PeerRowsHandle, *, cached: bool = False):
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
@@ -102,45 +121,50 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
 
     def dispatch_bwd(self, handle: PeerRowsHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
+        """Row gradients summed per token where they are, then pulled home. With
+        ``async_op`` (the overlapped backward, ``start_dispatch_bwd``) the sums still run
+        at once with the whole GPU (local reads, short) and only the pulls over NVLink run
+        on a side stream, on ``num_sms`` programs, beside what the caller queues next (the
+        SMs the weight-gradient GEMMs leave free); ``wait()`` joins them."""
         self.counters["dispatch_backward"] += 1
-        dx, d_w = self._to_home(d_rows, d_row_weights, handle)
-        if d_w is not None:
-            d_w = d_w.reshape(handle.plan.num_tokens, handle.plan.top_k)
-        # The pulls are queued on the stream already: nothing is left to wait for.
-        return Pending(lambda: (dx, d_w)) if async_op else (dx, d_w)
+        plan = handle.plan
+        view = self._expose_partials(d_rows, d_row_weights, handle)
+
+        def shaped(dx, d_w):
+            return dx, None if d_w is None else d_w.reshape(plan.num_tokens, plan.top_k)
+        if not async_op:
+            return shaped(*self._pull_home(view, handle, d_rows.dtype))
+        if not d_rows.is_cuda:
+            return Pending(lambda: shaped(*self._pull_home(view, handle, d_rows.dtype)))
+        main = torch.cuda.current_stream(d_rows.device)
+        if getattr(self, "_side_stream", None) is None:
+            self._side_stream = torch.cuda.Stream(d_rows.device)
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dx, d_w = self._pull_home(view, handle, d_rows.dtype, self.num_sms)
+
+        def finish():
+            main.wait_stream(side)
+            for t in (dx, d_w):
+                if t is not None:
+                    t.record_stream(main)
+            return shaped(dx, d_w)
+        return Pending(finish)
 
     def start_dispatch_bwd(self, handle, d_rows, d_row_weights) -> Pending:
-        """As ``Exchange.start_dispatch_bwd``, with the pulls on ``num_sms`` programs: the
-        SMs the weight-gradient GEMMs leave free."""
-        saved, self.num_programs = self.num_programs, self.num_sms
-        try:
-            return super().start_dispatch_bwd(handle, d_rows, d_row_weights)
-        finally:
-            self.num_programs = saved
+        return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
 
     def combine_fwd(self, rows, handle: PeerRowsHandle):
         self.counters["combine"] += 1
         return self._to_home(rows, None, handle)[0], handle
 
+    def combine_row_weighted_fwd(self, rows, row_weights, handle: PeerRowsHandle):
+        """The combine of ``rows * row_weights``, the weights applied inside the expert
+        side's per-token sums: no weighted rows are written."""
+        self.counters["combine"] += 1
+        return self._to_home(rows, None, handle, row_weights)[0]
+
     def combine_bwd(self, handle: PeerRowsHandle, d_out):
         self.counters["combine_backward"] += 1
         return self._to_experts(d_out, None, handle)[0]
-
-    def combine_weighted_fwd(self, rows, weights, handle: PeerRowsHandle):
-        """``out[t] = sum_j w[t, j] * row(t, j)``, weighted as it is pulled home; returns
-        ``(out, rows)``: the backward computes each row's weight gradient where it is."""
-        self.counters["combine"] += 1
-        return self._to_home(rows, None, handle, weights.reshape(-1))[0], rows
-
-    def combine_weighted_bwd(self, handle: PeerRowsHandle, d_out, weights, rows):
-        """``d_rows[i] = w(i) * d_out[token(i)]`` and ``d_w(i) = <d_out[token(i)], rows[i]>``
-        on the expert side (the output gradient and the weights pulled there together),
-        then the (T, k) weight gradients pulled home."""
-        self.counters["combine_backward"] += 1
-        plan = handle.plan
-        d, w_rows = self._to_experts(d_out, weights.reshape(-1), handle)
-        d_rows, d_w_rows = kernels.row_weight_bwd(RowWeightRes(rows, w_rows), d)
-        view = self._expose(None, d_w_rows, 0, handle.max_rows)
-        _, d_w = pull_rows(view, handle.home_rank, handle.home_pos, rows=False,
-                           num_programs=self.num_programs)
-        return d_rows, d_w.reshape(plan.num_tokens, plan.top_k)

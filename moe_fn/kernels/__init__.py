@@ -206,15 +206,13 @@ def peer_home_side(c, offs, counts, topk_idx, inv_perm, rank: int, top_k: int):
     return launch_peer_home_side(c, offs, counts, topk_idx, inv_perm, rank, top_k)
 
 
-def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int, num_remote: int,
-                       tables=None):
+def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int, tables=None):
     """``moe_fn.pure.peer_layout.peer_receiver_side``; one Triton launch given the
     ``tables`` of the kernels' ``peer_home_side``."""
     if tables is None or not _use_layout_kernel(c):
-        return _pure_peer_layout.peer_receiver_side(c, recv_flat, rank, top_k, max_tokens,
-                                                    num_remote)
+        return _pure_peer_layout.peer_receiver_side(c, recv_flat, rank, top_k, max_tokens)
     from .peer_layout import launch_peer_receiver_side
-    return launch_peer_receiver_side(c, recv_flat, rank, top_k, max_tokens, num_remote, tables)
+    return launch_peer_receiver_side(c, recv_flat, rank, top_k, max_tokens, tables)
 
 
 def gather_row_weight_bwd(src, index, rows, weights):

@@ -3,7 +3,10 @@
 Each rank exposes a tensor of rows (and optionally one value per row) in memory every
 rank can address (torch symmetric memory over NVLink); a *pull* then builds its output in
 final order in one pass, reading each row from whichever rank holds it. That removes the
-send-side gather, the collective's copies and the arrival gather of an all_to_all.
+send-side gather, the collective's copies and the arrival gather of an all_to_all. The
+token pull reads a token once per rank and writes all its expert rows there; for the
+combine, ``slot_sum`` sums each token's rows where they were computed (into the exposed
+buffer) and ``pull_partials`` adds the partials at the token's home.
 
 Peers are addressed by element offsets from one local tensor (``ref``): the kernels add
 ``delta[rank] + row * row_stride`` to ``ref``'s pointer. The offsets are checked to be
@@ -25,13 +28,15 @@ from ._launch import cdiv, launch, next_pow2
 from .gather_sum import _vec
 
 _BLOCK_C = 2048
-# Rows per program step of the pull, tokens per step of the pull-sum, and warps, from a
-# sweep on two H200s (bench/RESULTS.md): with the whole GPU, and on the few SMs an
-# overlapped backward combine gets, where each program needs more reads in flight.
+# Rows per program step of the pull, tokens per step of the sums (the combine's), and
+# warps, from a sweep on two H200s (bench/RESULTS.md): with the whole GPU, and on the few
+# SMs an overlapped backward combine gets, where each program needs more reads in flight.
 PULL_ROWS, PULL_WARPS = 16, 8
 SUM_TOKENS, SUM_BLOCK_C, SUM_WARPS = 2, 1024, 8
 FEW_SMS_PULL_WARPS = 16
-FEW_SMS_SUM_TOKENS, FEW_SMS_SUM_WARPS = 8, 16
+# (The combine's partial pull on 12 / 20 / 24 programs: 32 tokens a step and 16 warps took
+# 0.58 / 0.41 / 0.34 ms, 8 tokens 0.76 / 0.50 / 0.45, the whole GPU 0.30-0.33.)
+FEW_SMS_SUM_TOKENS, FEW_SMS_SUM_WARPS = 32, 16
 # The token-once pull (each token read once, written up to K times): tokens per program
 # step, columns, warps and programs per SM, from a sweep on two H200s (bench/RESULTS.md:
 # 0.200 ms against 0.215-0.237 for the other shapes tried, the row-by-row pull 0.507).
@@ -67,43 +72,6 @@ def _pull_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, out_
 
 
 @triton.jit
-def _pull_gather_sum_kernel(ref, rows_delta, vref, vals_delta, local_ptr, me, rank_ptr,
-                            pos_ptr, vpos_ptr, w_ptr, out_ptr, vout_ptr, n_tok, width, s_r,
-                            s_l, s_o, K: tl.constexpr, HAS_W: tl.constexpr, HAS_VALS: tl.constexpr,
-                            TOK: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
-    # TOK tokens a step, so that K * TOK rows are in flight per program (reads over
-    # NVLink have microseconds of latency). Rows of rank ``me`` are read from
-    # ``local_ptr`` (row stride ``s_l``), the others from the peers' exposed rows.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    for start in range(pid * TOK, n_tok, nprog * TOK):
-        t = (start + tl.arange(0, TOK)).to(tl.int64)
-        mt = t < n_tok
-        for c0 in range(0, width, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            m = mt[:, None] & (cols < width)[None, :]
-            acc = tl.zeros((TOK, BLOCK_C), dtype=tl.float32)
-            for j in tl.static_range(K):
-                s = tl.load(rank_ptr + t * K + j, mask=mt, other=0)
-                p = tl.load(pos_ptr + t * K + j, mask=mt, other=0).to(tl.int64)
-                d = tl.multiple_of(tl.load(rows_delta + s, mask=mt, other=0), VEC)
-                src = tl.where((s == me)[:, None], local_ptr + (p * (s_l * VEC))[:, None],
-                               ref + (d + p * (s_r * VEC))[:, None])
-                v = tl.load(src + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                if HAS_W:
-                    v = v * tl.load(w_ptr + t * K + j, mask=mt, other=0.0).to(tl.float32)[:, None]
-                acc += v
-            tl.store(out_ptr + (t * (s_o * VEC))[:, None] + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=m)
-        if HAS_VALS:
-            for j in tl.static_range(K):
-                s = tl.load(rank_ptr + t * K + j, mask=mt, other=0)
-                p = tl.load(vpos_ptr + t * K + j, mask=mt, other=0).to(tl.int64)
-                vd = tl.load(vals_delta + s, mask=mt, other=0)
-                tl.store(vout_ptr + t * K + j, tl.load(vref + vd + p, mask=mt), mask=mt)
-
-
-@triton.jit
 def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, slots_ptr, out_ptr, vout_ptr,
                             n_groups, max_tokens, width, s_r, s_o, K: tl.constexpr,
                             HAS_VALS: tl.constexpr, SEGS: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -136,6 +104,69 @@ def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, slots_ptr, out_pt
                 i = tl.load(slots_ptr + g * K + q, mask=used, other=-1).to(tl.int64)
                 v = tl.load(vref + vd + t * K + q, mask=i >= 0)
                 tl.store(vout_ptr + i, v, mask=i >= 0)
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, w_ptr, slots_ptr, out_ptr, n_groups, width, s_y, s_o,
+                     K: tl.constexpr, HAS_W: tl.constexpr, SEGS: tl.constexpr,
+                     BLOCK_C: tl.constexpr, VEC_Y: tl.constexpr, VEC_O: tl.constexpr):
+    # out[g] = sum_q [w[i] *] y[i] over the slots i = slots[g, q] >= 0, in float32; groups
+    # without a slot are not written (nobody reads them).
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for start in range(pid * SEGS, n_groups, nprog * SEGS):
+        g = (start + tl.arange(0, SEGS)).to(tl.int64)
+        mg = g < n_groups
+        used = tl.zeros((SEGS,), dtype=tl.int1)
+        for q in tl.static_range(K):
+            used = used | (tl.load(slots_ptr + g * K + q, mask=mg, other=-1) >= 0)
+        for c0 in range(0, width, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mc = (cols < width)[None, :]
+            acc = tl.zeros((SEGS, BLOCK_C), dtype=tl.float32)
+            for q in tl.static_range(K):
+                i = tl.load(slots_ptr + g * K + q, mask=used, other=-1).to(tl.int64)
+                v = tl.load(y_ptr + (i * (s_y * VEC_Y))[:, None] + cols[None, :],
+                            mask=(i >= 0)[:, None] & mc, other=0.0).to(tl.float32)
+                if HAS_W:
+                    v = v * tl.load(w_ptr + i, mask=i >= 0, other=0.0).to(tl.float32)[:, None]
+                acc += v
+            tl.store(out_ptr + (g * (s_o * VEC_O))[:, None] + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=used[:, None] & mc)
+
+
+@triton.jit
+def _pull_partials_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, vpos_ptr, out_ptr,
+                          vout_ptr, n_tok, me, max_tokens, width, s_r, s_o, K: tl.constexpr,
+                          EP: tl.constexpr, HAS_VALS: tl.constexpr, TOK: tl.constexpr,
+                          BLOCK_C: tl.constexpr, VEC: tl.constexpr, VEC_O: tl.constexpr):
+    # out[t] = sum over the ranks o computing any of token t's rows of o's partial for
+    # (this rank, t), read from o's exposed partials at row me * max_tokens + t.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for start in range(pid * TOK, n_tok, nprog * TOK):
+        t = (start + tl.arange(0, TOK)).to(tl.int64)
+        mt = t < n_tok
+        for c0 in range(0, width, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            m = mt[:, None] & (cols < width)[None, :]
+            acc = tl.zeros((TOK, BLOCK_C), dtype=tl.float32)
+            for o in tl.static_range(EP):
+                here = tl.zeros((TOK,), dtype=tl.int1)
+                for j in tl.static_range(K):
+                    here = here | (tl.load(rank_ptr + t * K + j, mask=mt, other=-1) == o)
+                d = tl.multiple_of(tl.load(rows_delta + o), VEC)
+                src = ref + (d + (me * max_tokens + t) * (s_r * VEC))[:, None]
+                acc += tl.load(src + cols[None, :], mask=m & here[:, None],
+                               other=0.0).to(tl.float32)
+            tl.store(out_ptr + (t * (s_o * VEC_O))[:, None] + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m)
+        if HAS_VALS:
+            for j in tl.static_range(K):
+                s = tl.load(rank_ptr + t * K + j, mask=mt, other=0)
+                p = tl.load(vpos_ptr + t * K + j, mask=mt, other=0).to(tl.int64)
+                vd = tl.load(vals_delta + s, mask=mt, other=0)
+                tl.store(vout_ptr + t * K + j, tl.load(vref + vd + p, mask=mt), mask=mt)
 
 
 def deltas(peers, rank: int) -> torch.Tensor:
@@ -225,57 +256,6 @@ def launch_pull_rows(rows, values, rank: int, src_rank, src_idx, *, row_div: int
     return out, vout
 
 
-def launch_pull_gather_sum(rows, values, rank: int, src_rank, src_pos, top_k: int,
-                           weights=None, *, local=None, values_pos=None, num_programs: int,
-                           tokens_per_program: int | None = None, block_c: int | None = None,
-                           num_warps: int | None = None, rows_offsets=None,
-                           values_offsets=None, byte_offsets=None):
-    """``out[t] = sum_j [weights[t*k+j] *] row(t*k+j)`` (float32 accumulation) where
-    ``row(i) = rows[src_rank[i]][src_pos[i]]``, or ``local[src_pos[i]]`` when
-    ``src_rank[i]`` is ``rank`` and ``local`` is given (rows this rank never exposed);
-    with ``values``, ``vout[i] = values[src_rank[i]][values_pos[i]]`` (default
-    ``src_pos``). Offsets as in ``launch_pull_rows``."""
-    ref, rows_offsets = _peer_args(rows, rank, "rows", rows_offsets)
-    width = ref.shape[1]
-    if top_k < 1 or src_pos.numel() % top_k or src_rank.numel() != src_pos.numel():
-        raise ValueError(f"src_rank and src_pos must hold top_k ({top_k}) entries per token, "
-                         f"got {src_rank.numel()} and {src_pos.numel()}")
-    if values_pos is not None and values_pos.numel() != src_pos.numel():
-        raise ValueError("values_pos must have one entry per src_pos entry")
-    if local is not None and (local.dim() != 2 or local.shape[1] != width
-                              or local.stride(-1) != 1 or local.dtype != ref.dtype
-                              or local.device != ref.device):
-        raise ValueError(f"local rows must be (*, {width}) {ref.dtype} on {ref.device} with "
-                         f"contiguous columns, got {tuple(local.shape)} {local.dtype}")
-    n_tok = src_pos.numel() // top_k
-    out = ref.new_empty((n_tok, width))
-    vout = None
-    if values is not None:
-        vref, values_offsets = _peer_args(values, rank, "values", values_offsets)
-        vout = vref.new_empty(n_tok * top_k)
-    else:
-        vref, values_offsets = ref, rows_offsets
-    if n_tok == 0:
-        return out, vout
-    local_arg = local if local is not None else ref
-    if byte_offsets is None:
-        byte_offsets = [p.data_ptr() - ref.data_ptr() for p in rows]
-    vec = _aligned_vec(ref, byte_offsets, width, local_arg.stride(0))
-    block = min(block_c or SUM_BLOCK_C, next_pow2(max(width, 1)))
-    tok = tokens_per_program or SUM_TOKENS
-    src_rank, src_pos = _index(src_rank), _index(src_pos)
-    launch(_pull_gather_sum_kernel, (max(1, min(num_programs, cdiv(n_tok, tok))),),
-           ref, rows_offsets, vref, values_offsets, local_arg,
-           rank if local is not None else -1, src_rank, src_pos,
-           _index(values_pos) if values_pos is not None else src_pos,
-           weights.contiguous() if weights is not None else src_pos, out,
-           vout if vout is not None else out, n_tok, width, width // vec,
-           local_arg.stride(0) // vec, width // vec, K=top_k, HAS_W=weights is not None,
-           HAS_VALS=values is not None, TOK=tok, BLOCK_C=block, VEC=vec,
-           num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
-    return out, vout
-
-
 def launch_pull_token_rows(rows, values, rank: int, token_slots, num_rows: int, top_k: int,
                            *, num_programs: int, tokens_per_program: int | None = None,
                            block_c: int | None = None, num_warps: int | None = None,
@@ -313,4 +293,76 @@ def launch_pull_token_rows(rows, values, rank: int, token_slots, num_rows: int, 
            vout if vout is not None else out, n_groups, max_tokens, width, width // vec,
            width // vec, K=top_k, HAS_VALS=values is not None, SEGS=segs, BLOCK_C=block,
            VEC=vec, num_warps=num_warps or (PULL_TOKENS_WARPS if block >= 1024 else 4))
+    return out, vout
+
+
+def launch_slot_sum(rows, token_slots, top_k: int, out, weights=None, *, num_programs: int,
+                    tokens_per_program: int | None = None, num_warps: int | None = None):
+    """``out[g] = sum_j [weights[i] *] rows[i]`` over ``i = token_slots[g * top_k + j] >= 0``
+    (float32 accumulation, stored in ``out``'s dtype) for every group ``g`` with a slot;
+    the others' rows of ``out`` are left as they are. ``out (G, width)`` may be a view with
+    any row stride (an exposed buffer)."""
+    n_groups = token_slots.numel() // max(top_k, 1)
+    if top_k < 1 or token_slots.numel() != n_groups * top_k or out.shape[0] < n_groups:
+        raise ValueError(f"token_slots must hold top_k ({top_k}) slots per group and out one "
+                         f"row per group, got {token_slots.numel()} slots, {out.shape[0]} rows")
+    width = rows.shape[1]
+    if (out.dim() != 2 or out.shape[1] != width or out.stride(-1) != 1 or rows.dim() != 2
+            or rows.stride(-1) != 1 or out.device != rows.device):
+        raise ValueError(f"rows and out must be (*, {width}) with contiguous columns on one "
+                         f"device, got {tuple(rows.shape)} and {tuple(out.shape)}")
+    if n_groups == 0 or rows.shape[0] == 0:
+        return out
+    vec_y, vec_o = _vec(rows, width, rows.stride(0)), _vec(out, width, out.stride(0))
+    block = min(SUM_BLOCK_C, next_pow2(max(width, 1)))
+    segs = tokens_per_program or SUM_TOKENS
+    launch(_slot_sum_kernel, (max(1, min(num_programs, cdiv(n_groups, segs))),), rows,
+           weights.contiguous() if weights is not None else rows, _index(token_slots), out,
+           n_groups, width, rows.stride(0) // vec_y, out.stride(0) // vec_o, K=top_k,
+           HAS_W=weights is not None, SEGS=segs, BLOCK_C=block, VEC_Y=vec_y, VEC_O=vec_o,
+           num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
+    return out
+
+
+def launch_pull_partials(partials, values, rank: int, home_rank, values_pos, top_k: int,
+                         max_tokens: int, out_dtype, *, num_programs: int,
+                         tokens_per_program: int | None = None, num_warps: int | None = None,
+                         rows_offsets=None, values_offsets=None, byte_offsets=None):
+    """``out[t] = sum_o partials[o][rank * max_tokens + t]`` over the ranks ``o`` among
+    ``home_rank[t*k:(t+1)*k]`` (each once; float32 accumulation, ``out_dtype`` output), and
+    with ``values`` ``vout[i] = values[home_rank[i]][values_pos[i]]``: the combine of the
+    expert side's per-token partials (``launch_slot_sum``). Offsets as in
+    ``launch_pull_rows``."""
+    ref, rows_offsets = _peer_args(partials, rank, "partials", rows_offsets)
+    width = ref.shape[1]
+    n = home_rank.numel()
+    if ref.shape[0] < len(partials) * max_tokens:
+        raise ValueError(f"partials must hold a row per (rank, token): {len(partials)} ranks "
+                         f"of {max_tokens} tokens, got {ref.shape[0]} rows")
+    if top_k < 1 or n % top_k or (values_pos is not None and values_pos.numel() != n):
+        raise ValueError(f"home_rank (and values_pos) must hold top_k ({top_k}) entries per "
+                         f"token, got {n}")
+    n_tok = n // top_k
+    out = torch.empty((n_tok, width), dtype=out_dtype, device=ref.device)
+    vout = None
+    if values is not None:
+        vref, values_offsets = _peer_args(values, rank, "values", values_offsets)
+        vout = vref.new_empty(n)
+    else:
+        vref, values_offsets = ref, rows_offsets
+    if n_tok == 0:
+        return out, vout
+    if byte_offsets is None:
+        byte_offsets = [p.data_ptr() - ref.data_ptr() for p in partials]
+    vec, vec_o = _aligned_vec(ref, byte_offsets, width), _vec(out, width)
+    block = min(SUM_BLOCK_C, next_pow2(max(width, 1)))
+    tok = tokens_per_program or SUM_TOKENS
+    home_rank = _index(home_rank)
+    launch(_pull_partials_kernel, (max(1, min(num_programs, cdiv(n_tok, tok))),),
+           ref, rows_offsets, vref, values_offsets, home_rank,
+           _index(values_pos) if values_pos is not None else home_rank, out,
+           vout if vout is not None else out, n_tok, rank, max_tokens, width, width // vec,
+           width // vec_o, K=top_k, EP=len(partials), HAS_VALS=values is not None, TOK=tok,
+           BLOCK_C=block, VEC=vec, VEC_O=vec_o,
+           num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
     return out, vout

@@ -20,11 +20,11 @@ from ._launch import cdiv, launch, next_pow2
 
 _BLOCK = 512
 # Table rows in the int64 scratch, each E long: by expert e = o*el + x (owner-major) the
-# home side's base and owned-before counts; by block b = s*el + x (source-major) the
-# received blocks' starts and ends in arrival order, their starts in expert-major order,
-# and the own-source rows before them.
+# home side's base; by block b = s*el + x (source-major) the received blocks' starts and
+# ends in arrival order and their starts in expert-major order.
 # (constexpr: the only globals a Triton kernel compiled for the GPU may read.)
-_BASE, _OWN_BEFORE, _RSTART, _REND, _DST, _OWNB = (tl.constexpr(i) for i in range(6))
+_BASE, _RSTART, _REND, _DST = (tl.constexpr(i) for i in range(4))
+_TABLES = 4
 
 
 @triton.jit
@@ -44,10 +44,7 @@ def _tables_kernel(c_ptr, offs_ptr, counts_ptr, sizes_ptr, tab_ptr, loffs_ptr, m
     tl.store(sizes_ptr + ep + r, tl.sum(tl.sum(tl.where(s3 == me, c, 0), axis=0), axis=1),
              mask=mr)
     tl.store(sizes_ptr + 2 * ep, tl.max(tl.sum(tl.sum(c, axis=2), axis=1) // k))
-    rows_of = tl.sum(tl.sum(c, axis=2), axis=0)  # [o]
-    own_of = tl.sum(tl.sum(tl.where(s3 == o3, c, 0), axis=2), axis=0)
-    tl.store(sizes_ptr + 2 * ep + 1, tl.max(rows_of))
-    tl.store(sizes_ptr + 2 * ep + 2, tl.max(rows_of - own_of))
+    tl.store(sizes_ptr + 2 * ep + 1, tl.max(tl.sum(tl.sum(c, axis=2), axis=0)))
     # Home side, by expert (o, x).
     o2 = tl.arange(0, EP)[:, None]
     x2 = tl.arange(0, EL)[None, :]
@@ -59,9 +56,6 @@ def _tables_kernel(c_ptr, offs_ptr, counts_ptr, sizes_ptr, tab_ptr, loffs_ptr, m
              - tl.load(counts_ptr + e2, mask=m2, other=0).to(tl.int64))
     tl.store(tab_ptr + _BASE * e_n + e2, tl.cumsum(tot, axis=1) - tot + before_me - start,
              mask=m2)
-    own = tl.sum(tl.where(s3 == o3, c, 0), axis=0)  # [o, x] = c[o, o*el + x]
-    own_before = tl.where(o2 == me, 0, tl.cumsum(own, axis=1) - own + tl.where(o2 < me, own, 0))
-    tl.store(tab_ptr + _OWN_BEFORE * e_n + e2, own_before, mask=m2)
     x1 = tl.arange(0, EL)
     tl.store(loffs_ptr + x1, tl.sum(tl.where(o2 == me, tl.cumsum(tot, axis=1), 0),
                                     axis=0).to(tl.int32), mask=x1 < el)
@@ -75,13 +69,10 @@ def _tables_kernel(c_ptr, offs_ptr, counts_ptr, sizes_ptr, tab_ptr, loffs_ptr, m
     col_tot = tl.sum(recv, axis=0)  # [x]
     dst = (tl.cumsum(col_tot, axis=0) - col_tot)[None, :] + tl.cumsum(recv, axis=0) - recv
     tl.store(tab_ptr + _DST * e_n + b2, dst, mask=m2)
-    mine = tl.sum(tl.where(s2 == me, recv, 0), axis=0)  # [x]: own-source rows per expert
-    ownb = (tl.cumsum(mine, axis=0) - mine)[None, :] + tl.where(s2 > me, mine[None, :], 0)
-    tl.store(tab_ptr + _OWNB * e_n + b2, ownb, mask=m2)
 
 
 @triton.jit
-def _home_rows_kernel(idx_ptr, inv_ptr, tab_ptr, rank_ptr, pos_ptr, cpos_ptr, n, el, e_n,
+def _home_rows_kernel(idx_ptr, inv_ptr, tab_ptr, rank_ptr, pos_ptr, n, el, e_n,
                       BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -90,12 +81,11 @@ def _home_rows_kernel(idx_ptr, inv_ptr, tab_ptr, rank_ptr, pos_ptr, cpos_ptr, n,
                                                                       other=0).to(tl.int64)
     tl.store(rank_ptr + i, (e // el).to(tl.int32), mask=m)
     tl.store(pos_ptr + i, p, mask=m)
-    tl.store(cpos_ptr + i, p - tl.load(tab_ptr + _OWN_BEFORE * e_n + e, mask=m, other=0), mask=m)
 
 
 @triton.jit
-def _recv_rows_kernel(flat_ptr, tab_ptr, srank_ptr, sflat_ptr, remote_ptr, slots_ptr, n, me, el,
-                      e_n, slot_stride, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def _recv_rows_kernel(flat_ptr, tab_ptr, srank_ptr, sflat_ptr, slots_ptr, n, el, e_n,
+                      slot_stride, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     # The arrival block of row i: the first b whose end exceeds i (empty blocks end where
@@ -115,9 +105,6 @@ def _recv_rows_kernel(flat_ptr, tab_ptr, srank_ptr, sflat_ptr, remote_ptr, slots
     f = tl.load(flat_ptr + i, mask=m, other=0).to(tl.int64)
     tl.store(srank_ptr + p, s.to(tl.int32), mask=m)
     tl.store(sflat_ptr + p, f, mask=m)
-    remote = m & (s != me)
-    tl.store(remote_ptr + p - tl.load(tab_ptr + _OWNB * e_n + b, mask=remote, other=0), p,
-             mask=remote)
     tl.store(slots_ptr + s * slot_stride + f, p.to(tl.int32), mask=m)
 
 
@@ -127,24 +114,22 @@ def launch_peer_home_side(c, offs, counts, topk_idx, inv_perm, rank: int,
     ep, e = c.shape
     el = e // ep
     dev = c.device
-    sizes = torch.empty(2 * ep + 3, dtype=torch.int64, device=dev)
-    tables = torch.empty(6 * e, dtype=torch.int64, device=dev)
+    sizes = torch.empty(2 * ep + 2, dtype=torch.int64, device=dev)
+    tables = torch.empty(_TABLES * e, dtype=torch.int64, device=dev)
     local_offs = torch.empty(el, dtype=torch.int32, device=dev)
     launch(_tables_kernel, (1,), c.contiguous(), offs, counts, sizes, tables, local_offs, rank,
            ep, el, top_k, EP=next_pow2(ep), EL=next_pow2(el))
     n = topk_idx.numel()
     home_rank = torch.empty(n, dtype=torch.int32, device=dev)
     home_pos = torch.empty(n, dtype=torch.int64, device=dev)
-    home_cpos = torch.empty(n, dtype=torch.int64, device=dev)
     if n:
         launch(_home_rows_kernel, (cdiv(n, _BLOCK),), topk_idx.contiguous(),
-               inv_perm.contiguous(), tables, home_rank, home_pos, home_cpos, n, el, e,
-               BLOCK=_BLOCK)
-    return PeerHomeSide(sizes, home_rank, home_pos, home_cpos, local_offs, tables)
+               inv_perm.contiguous(), tables, home_rank, home_pos, n, el, e, BLOCK=_BLOCK)
+    return PeerHomeSide(sizes, home_rank, home_pos, local_offs, tables)
 
 
 def launch_peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int,
-                              num_remote: int, tables) -> PeerReceiverSide:
+                              tables) -> PeerReceiverSide:
     """``moe_fn.pure.peer_layout.peer_receiver_side`` in one launch, with the ``tables``
     ``launch_peer_home_side`` returned."""
     ep, e = c.shape
@@ -152,10 +137,9 @@ def launch_peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: i
     n = recv_flat.numel()
     src_rank = torch.empty(n, dtype=torch.int32, device=dev)
     src_flat = torch.empty(n, dtype=torch.int64, device=dev)
-    remote_rows = torch.empty(num_remote, dtype=torch.int64, device=dev)
     slots = torch.full((ep * max_tokens * top_k,), -1, dtype=torch.int32, device=dev)
     if n:
         launch(_recv_rows_kernel, (cdiv(n, _BLOCK),), recv_flat.contiguous(), tables, src_rank,
-               src_flat, remote_rows, slots, n, rank, e // ep, e, max_tokens * top_k,
-               BLOCK=_BLOCK, STEPS=max(e, 1).bit_length())
-    return PeerReceiverSide(src_rank, src_flat, remote_rows, slots)
+               src_flat, slots, n, e // ep, e, max_tokens * top_k, BLOCK=_BLOCK,
+               STEPS=max(e, 1).bit_length())
+    return PeerReceiverSide(src_rank, src_flat, slots)

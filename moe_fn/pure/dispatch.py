@@ -321,12 +321,32 @@ def peer_gather(peers, src_rank, src_idx, row_div: int = 1):
     return out
 
 
-def peer_gather_sum(peers, src_rank, src_pos, top_k: int, weights=None):
-    """``out[t] = sum_j [weights[t*k+j] *] peers[src_rank[t*k+j]][src_pos[t*k+j]]``
-    (float32 accumulation for half types, as ``gather_sum_fwd``): the contract of the
-    peer-memory pull-sum."""
-    rows = peer_gather(peers, src_rank, src_pos)
-    order = torch.arange(rows.shape[0], device=rows.device)
-    if weights is None:
-        return gather_sum_fwd(rows, order, top_k)[0]
-    return weighted_gather_sum_fwd(rows, order, weights, top_k)[0]
+def slot_sum(rows, token_slots, top_k: int, weights=None):
+    """``out[g] = sum_j [weights[i] *] rows[i]`` over ``i = token_slots[g * top_k + j] >= 0``,
+    accumulated in float32 for half types (zero where a group has no slot): an expert
+    side's per-token partials, the contract of ``moe_fn.kernels.peer.launch_slot_sum``."""
+    acc = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+    slots = token_slots.long().reshape(-1, top_k)
+    out = rows.new_zeros((slots.shape[0], rows.shape[1]), dtype=acc)
+    if rows.shape[0] == 0:
+        return out
+    r = rows.to(acc)
+    if weights is not None:
+        r = r * weights.reshape(-1, 1).to(acc)
+    for j in range(top_k):  # in slot order, as the kernel adds them
+        i = slots[:, j]
+        out = out + torch.where((i >= 0)[:, None], r.index_select(0, i.clamp(min=0)), 0)
+    return out
+
+
+def peer_partial_sum(peers, home_rank, rank: int, max_tokens: int, top_k: int, out_dtype):
+    """``out[t] = sum_o peers[o][rank * max_tokens + t]`` over the ranks ``o`` among
+    ``home_rank[t*k:(t+1)*k]``, each once, in rank order (``peers``: every rank's
+    ``slot_sum`` partials): the contract of ``moe_fn.kernels.peer.launch_pull_partials``."""
+    ranks = home_rank.long().reshape(-1, top_k)
+    n_tok = ranks.shape[0]
+    out = peers[0].new_zeros((n_tok, peers[0].shape[1]))
+    for o, p in enumerate(peers):
+        here = (ranks == o).any(1)[:, None]
+        out = out + torch.where(here, p[rank * max_tokens:rank * max_tokens + n_tok], 0)
+    return out.to(out_dtype)

@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_fn.comm.peer_memory import PeerView, pull_gather_sum, pull_rows
-from moe_fn.kernels.peer import launch_pull_gather_sum, launch_pull_rows, launch_pull_token_rows
-from moe_fn.pure.dispatch import gather_sum_fwd, weighted_gather_sum_fwd
+from moe_fn.comm.peer_memory import PeerView, pull_partials, pull_rows, write_slot_sums
+from moe_fn.kernels.peer import (
+    launch_pull_partials,
+    launch_pull_rows,
+    launch_pull_token_rows,
+    launch_slot_sum,
+)
+from moe_fn.pure.dispatch import peer_partial_sum, slot_sum
 from tests.kernels.tolerance import assert_close_to_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,25 +54,6 @@ def test_pull_rows_reads_every_peer(dtype, width, row_div):
     assert only_rows[1] is None and torch.equal(only_rows[0], out)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_pull_gather_sum_sums_each_tokens_rows_in_float32(dtype, weighted):
-    ep, n_src, width, k, t = 2, 10, 48, 3, 7
-    rows, vals = _peers(ep, n_src, width, dtype, 1)
-    src_rank, src_pos = _index(ep, t * k, n_src, 1)
-    w = torch.rand(t * k, device=DEV) if weighted else None
-    out, vout = launch_pull_gather_sum(rows, vals, 0, src_rank, src_pos, k, w, num_programs=2)
-    gathered = torch.stack([rows[int(s)][int(p)] for s, p in zip(src_rank, src_pos)])
-    ref64 = torch.zeros(t, width, dtype=torch.float64, device=DEV)
-    for i in range(t * k):
-        ref64[i // k] += gathered[i].double() * (w[i].double() if weighted else 1.0)
-        assert torch.equal(vout[i], vals[int(src_rank[i])][int(src_pos[i])])
-    order = torch.arange(t * k, device=DEV)
-    pure = (weighted_gather_sum_fwd(gathered, order, w, k) if weighted
-            else gather_sum_fwd(gathered, order, k))[0]
-    assert_close_to_ref(out, pure, ref64)
-
-
 def _token_slots(ep, n_tok, k, seed, fill=0.6):
     """Slots of a random expert-major layout: each (rank, token, j) row lands at a distinct
     output position, or nowhere (-1)."""
@@ -104,6 +90,46 @@ def test_pull_token_rows_writes_each_tokens_row_to_all_its_rows(dtype, width, k,
         assert (vout is None) if not with_values else torch.equal(vout, want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_slot_sums_then_partials_sum_each_tokens_rows_in_float32(dtype, weighted):
+    ep, n_tok, k, width = 3, 5, 3, 48
+    g = torch.Generator().manual_seed(11)
+    partials, ref64 = [], []
+    for o in range(ep):  # each rank sums the rows it computed, per (source, token)
+        slots, n = _token_slots(ep, n_tok, k, 20 + o)
+        y = torch.randn(n, width, generator=g).to(dtype).to(DEV)
+        w = torch.rand(n, generator=g).to(DEV) if weighted else None
+        out = torch.full((ep * n_tok, width), float("nan"), device=DEV)
+        launch_slot_sum(y, slots, k, out, w, num_programs=2, tokens_per_program=2)
+        pure = slot_sum(y, slots, k, w)
+        want64 = slot_sum(y.double(), slots, k, None if w is None else w.double())
+        used = (slots.view(-1, k) >= 0).any(1)
+        assert torch.isnan(out[~used]).all()  # groups without a row are left alone
+        assert_close_to_ref(out[used], pure[used], want64[used])
+        partials.append(out.nan_to_num(0.0))
+        ref64.append(want64)
+    # Rank 1's tokens: each summed over the ranks computing any of its rows.
+    home_rank = torch.randint(0, ep, (4 * k,), generator=g, dtype=torch.int32).to(DEV)
+    vals = tuple(torch.randn(7, generator=g).to(DEV) for _ in range(ep))
+    vpos = torch.randint(0, 7, (4 * k,), generator=g).to(DEV)
+    for progs, tok in ((1, 1), (3, 2), (64, 8)):
+        out, vout = launch_pull_partials(tuple(partials), vals, 1, home_rank, vpos, k, n_tok,
+                                         dtype, num_programs=progs, tokens_per_program=tok)
+        pure = peer_partial_sum(tuple(partials), home_rank, 1, n_tok, k, dtype)
+        exact = peer_partial_sum(tuple(p.double() for p in partials), home_rank, 1, n_tok, k,
+                                 torch.float64)
+        # (float32 sums in the same order; the rounding to bfloat16 may differ: the
+        # interpreter truncates.)
+        assert_close_to_ref(out, pure, exact, f"{progs} {tok}")
+        for i in range(4 * k):
+            assert torch.equal(vout[i], vals[int(home_rank[i])][int(vpos[i])])
+    want64 = torch.stack([sum(ref64[o][n_tok + t] for o in set(home_rank[t * k:(t + 1) * k]
+                                                                   .tolist())) for t in range(4)])
+    assert_close_to_ref(out, peer_partial_sum(tuple(r.to(dtype) for r in ref64), home_rank, 1,
+                                              n_tok, k, dtype), want64)
+
+
 def test_fallbacks_agree_with_the_kernels():
     # The plain path (CPU tensors without Triton, float64 anywhere) against the kernels.
     ep, n_src, width, k, t = 3, 9, 24, 2, 8
@@ -114,11 +140,18 @@ def test_fallbacks_agree_with_the_kernels():
     kout, kvout = launch_pull_rows(rows, vals, 1, src_rank, src_idx, num_programs=4)
     torch.testing.assert_close(out, kout.double(), rtol=0, atol=0)
     assert torch.equal(vout, kvout)
-    w = torch.rand(t * k, device=DEV)
-    s, sv = pull_gather_sum(view, src_rank, src_idx, k, w)
-    ks, ksv = launch_pull_gather_sum(rows, vals, 1, src_rank, src_idx, k, w, num_programs=4)
-    torch.testing.assert_close(s, ks.double(), rtol=1e-6, atol=1e-6)
-    assert torch.equal(sv, ksv)
+    home_rank, vpos = src_rank[:2 * k], src_idx[:2 * k]  # 2 tokens of at most 3 per rank
+    part_view = PeerView(1, tuple(r.double() for r in rows), vals)
+    p, pv = pull_partials(part_view, home_rank, vpos, 3, k, torch.float64)
+    kp, kpv = launch_pull_partials(rows, vals, 1, home_rank, vpos, k, 3, torch.float32,
+                                   num_programs=4)
+    torch.testing.assert_close(p, kp.double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(pv, kpv)
+    slots = torch.tensor([3, -1, 0, 5, 1, -1], dtype=torch.int32, device=DEV)
+    out = write_slot_sums(torch.zeros(3, width, dtype=torch.float64, device=DEV),
+                          rows[0].double(), slots, 2)
+    kout = launch_slot_sum(rows[0], slots, 2, torch.zeros(3, width, device=DEV), num_programs=2)
+    torch.testing.assert_close(out, kout.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_peers_off_the_vector_width_are_read_row_by_row_not_misread():
@@ -143,15 +176,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="one entry per row"):
         launch_pull_rows(rows, None, 0, src_rank[:3], src_idx, num_programs=1)
     with pytest.raises(ValueError, match="top_k"):
-        launch_pull_gather_sum(rows, None, 0, src_rank[:5], src_idx[:5], 2, num_programs=1)
+        launch_pull_partials(rows, None, 0, src_rank[:5], None, 2, 3, torch.float32,
+                             num_programs=1)
     slots, n = _token_slots(2, 6, 2, 5)
     with pytest.raises(ValueError, match="token_slots must hold top_k"):
         launch_pull_token_rows(rows, None, 0, slots[:-1], n, 2, num_programs=1)
     with pytest.raises(ValueError, match="values must hold top_k"):
         launch_pull_token_rows(rows, vals, 0, slots, n, 2, num_programs=1)
-    with pytest.raises(ValueError, match="local rows must be"):
-        launch_pull_gather_sum(rows, None, 0, src_rank[:0], src_idx[:0], 2,
-                               local=torch.zeros(3, 7, device=DEV), num_programs=1)
+    with pytest.raises(ValueError, match="one row per group"):
+        launch_slot_sum(rows[0], slots, 2, torch.zeros(5, 8, device=DEV), num_programs=1)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        launch_slot_sum(rows[0], slots, 2, torch.zeros(8, 12, device=DEV).t(), num_programs=1)
 
 
 @pytest.mark.parametrize("width", [0, 5])
@@ -165,33 +200,11 @@ def test_empty_and_odd_shapes(width):
     empty = src_idx[:0]
     out, vout = launch_pull_rows(rows, vals, 1, src_rank[:0], empty, num_programs=2)
     assert out.shape == (0, width) and vout.shape == (0,)
-    # top_k = 1 and a local tensor whose row stride breaks the vector width.
-    local = torch.randn(4, width + 3, device=DEV).to(torch.bfloat16)[:, :width]
-    s, v = launch_pull_gather_sum(rows, vals, 0, src_rank, src_idx, 1, local=local,
-                                  num_programs=3)
-    for i in range(6):
-        want = local[int(src_idx[i])] if int(src_rank[i]) == 0 else rows[1][int(src_idx[i])]
-        assert torch.equal(s[i], want)
-        assert torch.equal(v[i], vals[int(src_rank[i])][int(src_idx[i])])
-
-
-def test_pull_gather_sum_reads_own_rows_in_place_and_values_at_their_own_positions():
-    ep, n_src, width, k, t = 3, 10, 32, 2, 6
-    rows, vals = _peers(ep, n_src, width, torch.float32, 4)
-    # This rank's rows were never exposed: they come from a row-strided local tensor.
-    local = torch.randn(n_src, width + 8, device=DEV)[:, :width]
-    src_rank, src_pos = _index(ep, t * k, n_src, 4)
-    vpos = torch.randint(0, n_src, (t * k,), generator=torch.Generator().manual_seed(9)).to(DEV)
-    for launch_fn in ("kernel", "fallback"):
-        if launch_fn == "kernel":
-            out, vout = launch_pull_gather_sum(rows, vals, 1, src_rank, src_pos, k,
-                                               local=local, values_pos=vpos, num_programs=3)
-        else:
-            out, vout = pull_gather_sum(PeerView(1, rows, vals), src_rank, src_pos, k,
-                                        local=local, values_pos=vpos)
-        want = torch.zeros(t, width, device=DEV)
-        for i in range(t * k):
-            s, p = int(src_rank[i]), int(src_pos[i])
-            want[i // k] += local[p] if s == 1 else rows[s][p]
-            assert torch.equal(vout[i], vals[s][int(vpos[i])]), launch_fn
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6, msg=launch_fn)
+    # top_k = 1, and rows and partials whose row strides break the vector width.
+    y = torch.randn(6, width + 3, device=DEV).to(torch.bfloat16)[:, :width]
+    slots = torch.tensor([4, -1, 0, 5, 1, 2, -1, 3], dtype=torch.int32, device=DEV)
+    part = torch.zeros(8, width + 1, device=DEV)[:, :width]
+    launch_slot_sum(y, slots, 1, part, num_programs=3)
+    for g in range(8):
+        i = int(slots[g])
+        assert torch.equal(part[g], y[i].float() if i >= 0 else torch.zeros(width, device=DEV))

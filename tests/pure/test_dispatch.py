@@ -300,7 +300,7 @@ def test_compile_fullgraph_route_and_move():
 
 
 def test_peer_gather_pairs_match_a_naive_loop():
-    from moe_fn.pure.dispatch import peer_gather, peer_gather_sum
+    from moe_fn.pure.dispatch import peer_gather, peer_partial_sum, slot_sum
     g = torch.Generator().manual_seed(7)
     peers = (torch.randn(4, 3, generator=g, dtype=torch.float64),
              torch.zeros(0, 3, dtype=torch.float64),  # a rank that exposed nothing
@@ -313,8 +313,19 @@ def test_peer_gather_pairs_match_a_naive_loop():
     vals = (torch.arange(4.0), torch.zeros(0), torch.arange(10.0, 16.0))
     v = peer_gather(vals, src_rank, src_idx // 2)
     assert v.tolist() == [float(vals[int(s)][int(j) // 2]) for s, j in zip(src_rank, src_idx)]
-    w = torch.rand(6, generator=g, dtype=torch.float64)
-    s = peer_gather_sum(peers, src_rank, src_idx // 2, 3, w)
-    want = torch.stack([sum(w[t * 3 + j] * peers[int(src_rank[t * 3 + j])]
-                            [int(src_idx[t * 3 + j]) // 2] for j in range(3)) for t in range(2)])
-    torch.testing.assert_close(s, want)
+    # Per-token partials over slot groups (k = 3; group 1 has no slot), then their sum
+    # over the ranks that hold each token's rows.
+    rows = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    w = torch.rand(5, generator=g, dtype=torch.float64)
+    slots = torch.tensor([4, -1, 0, -1, -1, -1, 2, 3, 1], dtype=torch.int32)
+    part = slot_sum(rows, slots, 3, w)
+    assert torch.equal(part[1], torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(part[0], w[4] * rows[4] + w[0] * rows[0])
+    torch.testing.assert_close(part[2], w[2] * rows[2] + w[3] * rows[3] + w[1] * rows[1])
+    half = slot_sum(rows.to(torch.bfloat16), slots, 3)
+    assert half.dtype == torch.float32  # accumulated and kept in float32
+    peers = (torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g))
+    home_rank = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32)  # 2 tokens, k = 3
+    out = peer_partial_sum(peers, home_rank, 1, 3, 3, torch.float64)  # rank 1 of 3 tokens max
+    torch.testing.assert_close(out[0], (peers[0][3] + peers[1][3]).double())
+    torch.testing.assert_close(out[1], peers[1][4].double())

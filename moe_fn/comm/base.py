@@ -95,23 +95,33 @@ class Exchange:
         """
         if not d_rows.is_cuda or not self.combine_on_side_stream:
             return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
-        main = torch.cuda.current_stream(d_rows.device)
-        if getattr(self, "_side_stream", None) is None:
-            self._side_stream = torch.cuda.Stream(d_rows.device)
-        side = self._side_stream
-        side.wait_stream(main)
+        main, side = self._side_stream_after(d_rows.device)
         with torch.cuda.stream(side):
             dx, d_w = self.dispatch_bwd(handle, d_rows, d_row_weights)
         for t in (d_rows, d_row_weights):
             if t is not None:
                 t.record_stream(side)
+        return self._joined(main, side, dx, d_w)
 
+    def _side_stream_after(self, device):
+        """``(main, side)``: this exchange's side stream, ordered after the work queued on
+        the current stream so far."""
+        main = torch.cuda.current_stream(device)
+        if getattr(self, "_side_stream", None) is None:
+            self._side_stream = torch.cuda.Stream(device)
+        self._side_stream.wait_stream(main)
+        return main, self._side_stream
+
+    @staticmethod
+    def _joined(main, side, *outputs, then=None) -> Pending:
+        """A ``Pending`` whose ``wait()`` orders ``main`` after ``side`` and hands it the
+        side stream's ``outputs`` (``then(*outputs)`` when given)."""
         def finish():
             main.wait_stream(side)
-            for t in (dx, d_w):
+            for t in outputs:
                 if t is not None:
                     t.record_stream(main)
-            return dx, d_w
+            return then(*outputs) if then is not None else outputs
         return Pending(finish)
 
     def combine_bwd_weighted_rows(self, handle, d_out, rows, row_weights, *, fused: bool):

@@ -136,21 +136,10 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
             return shaped(*self._pull_home(view, handle, d_rows.dtype))
         if not d_rows.is_cuda:
             return Pending(lambda: shaped(*self._pull_home(view, handle, d_rows.dtype)))
-        main = torch.cuda.current_stream(d_rows.device)
-        if getattr(self, "_side_stream", None) is None:
-            self._side_stream = torch.cuda.Stream(d_rows.device)
-        side = self._side_stream
-        side.wait_stream(main)
+        main, side = self._side_stream_after(d_rows.device)
         with torch.cuda.stream(side):
             dx, d_w = self._pull_home(view, handle, d_rows.dtype, self.num_sms)
-
-        def finish():
-            main.wait_stream(side)
-            for t in (dx, d_w):
-                if t is not None:
-                    t.record_stream(main)
-            return shaped(dx, d_w)
-        return Pending(finish)
+        return self._joined(main, side, dx, d_w, then=shaped)
 
     def start_dispatch_bwd(self, handle, d_rows, d_row_weights) -> Pending:
         return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)

@@ -19,6 +19,7 @@ from ..pure.dispatch import (
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
+from ..pure.peer_layout import expert_major_sources
 from ..records import RoutePlan, SortedRowsHandle
 from .base import (
     AllToAllTransport,
@@ -36,20 +37,6 @@ def _expert_major_order(recv_counts: torch.Tensor, num_rows: int) -> torch.Tenso
     ``recv_counts``: (ep, E_local) rows from each source for each local expert.
     """
     return expert_major_sources(recv_counts, num_rows)[0]
-
-
-def expert_major_sources(recv_counts: torch.Tensor, num_rows: int):
-    """``(position in (source, expert) order, source rank)`` of each expert-major row."""
-    ep, e_local = recv_counts.shape
-    dev = recv_counts.device
-    src_start = torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten()
-    by_expert = recv_counts.t().flatten()  # block (e, s) in expert-major order
-    dst_start = torch.cumsum(by_expert, 0) - by_expert
-    block = torch.repeat_interleave(torch.arange(ep * e_local, device=dev), by_expert,
-                                    output_size=num_rows)
-    e, s = block // ep, block % ep
-    within = torch.arange(num_rows, device=dev) - dst_start[block]
-    return src_start[s * e_local + e] + within, s
 
 
 def _without(t: torch.Tensor, a: int, b: int) -> torch.Tensor:

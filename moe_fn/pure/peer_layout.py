@@ -15,6 +15,22 @@ from typing import NamedTuple
 import torch
 
 
+def expert_major_sources(recv_counts: torch.Tensor, num_rows: int):
+    """``(position in (source, expert) order, source rank)`` of each of the ``num_rows``
+    expert-major rows a rank receives, given ``recv_counts (ep, E_local)``: rows from each
+    source for each local expert (arriving by source, then expert)."""
+    ep, e_local = recv_counts.shape
+    dev = recv_counts.device
+    src_start = torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten()
+    by_expert = recv_counts.t().flatten()  # block (e, s) in expert-major order
+    dst_start = torch.cumsum(by_expert, 0) - by_expert
+    block = torch.repeat_interleave(torch.arange(ep * e_local, device=dev), by_expert,
+                                    output_size=num_rows)
+    e, s = block // ep, block % ep
+    within = torch.arange(num_rows, device=dev) - dst_start[block]
+    return src_start[s * e_local + e] + within, s
+
+
 class PeerHomeSide(NamedTuple):
     """What the layout knows before its host sync. ``sizes`` (2*ep + 2,) int64: rows this
     rank receives from each source, rows it sends to each owner, then the most tokens and
@@ -73,14 +89,8 @@ def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int
     recv = c[:, rank * el:(rank + 1) * el]  # (ep, el) rows from each source per local expert
     n = recv_flat.numel()
     dev = c.device
-    src_start = torch.cumsum(recv.flatten(), 0) - recv.flatten()
-    by_expert = recv.t().flatten()  # block (x, s) in expert-major order
-    dst_start = torch.cumsum(by_expert, 0) - by_expert
-    block = torch.repeat_interleave(torch.arange(ep * el, device=dev), by_expert,
-                                    output_size=n)
-    x, s = block // ep, block % ep
-    within = torch.arange(n, device=dev) - dst_start[block]
-    src_flat = recv_flat.index_select(0, src_start[s * el + x] + within)
+    where, s = expert_major_sources(recv, n)
+    src_flat = recv_flat.index_select(0, where)
     slots = torch.full((ep * max_tokens * top_k,), -1, dtype=torch.int32, device=dev)
     slots[s * (max_tokens * top_k) + src_flat] = torch.arange(n, dtype=torch.int32, device=dev)
     return PeerReceiverSide(s.to(torch.int32), src_flat, slots)

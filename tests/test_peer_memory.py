@@ -64,11 +64,14 @@ def test_exposures_alternate_halves_with_one_barrier_each(memory):
         n = 3 + step
         rows = torch.randn(n, 8, generator=g)
         vals = torch.randn(n, generator=g)
-        index = torch.randperm(n, generator=g)[:n - 1] if step % 2 else None
-        view = memory.expose(rows, vals, 10, 12, index)
+        if step % 2:  # written in place, or copied
+            view = memory.expose_written(lambda r, rows=rows: r[:rows.shape[0]].copy_(rows),
+                                         8, torch.float32, 10, vals, 12)
+        else:
+            view = memory.expose(rows, vals, 10, 12)
         assert memory._hdl.barriers == step + 1
         starts.append(view.rows[0].data_ptr())
-        published = rows if index is None else rows[index]
+        published = rows
         assert torch.equal(view.rows[0][:published.shape[0]], published)
         assert torch.equal(view.values[0][:n], vals)
         # The peer's tensors are its buffer at the same place; the offsets say so.
@@ -87,6 +90,10 @@ def test_exposures_alternate_halves_with_one_barrier_each(memory):
         assert vout[1] == vals[1]
     assert len(set(starts)) == 2 and starts[0] != starts[1] and starts[0] == starts[2]
     assert len(memory._flat) <= 4 and memory._symm.allocations == [2 * (1 << 12)]
+    # Nothing to publish (no rank has tokens): empty regions, still one barrier.
+    view = memory.expose(torch.zeros(0, 8), torch.zeros(0), 0, 0)
+    assert view.rows[0].shape == (0, 8) and view.values[0].shape == (0,)
+    assert memory._hdl.barriers == 7
 
 
 def test_growth_remaps_the_buffer(memory):

@@ -1,12 +1,12 @@
 """Memory every rank of an expert-parallel group can read, and pulls out of it.
 
-``expose(rows, values[, index])`` publishes one tensor of rows (``rows[index]`` given an
-index) and one of values per rank; the returned ``PeerView`` lists every rank's
-published tensors as tensors this process can read. On CUDA the tensors live in one
-torch symmetric-memory buffer per (group, device), mapped into every rank's address
-space over NVLink, and exposing is a copy and one device-side barrier. On CPUs (gloo) a
-stand-in gathers every rank's tensors with ``all_gather``: slower, but the exchange
-built on it runs the same index logic, so CPU tests check it.
+``expose(rows, values)`` publishes one tensor of rows and one of values per rank; the
+returned ``PeerView`` lists every rank's published tensors as tensors this process can
+read. On CUDA the tensors live in one torch symmetric-memory buffer per (group, device),
+mapped into every rank's address space over NVLink, and exposing is a copy and one
+device-side barrier. On CPUs (gloo) a stand-in gathers every rank's tensors with
+``all_gather``: slower, but the exchange built on it runs the same index logic, so CPU
+tests check it.
 
 ``expose_written(write, ...)`` instead lets the producer write its rows straight into
 its region (the combine's per-token partials). The pulls build their output in final
@@ -20,7 +20,6 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .. import kernels
 from ..kernels._registry import use_triton
 from ..pure.dispatch import peer_gather, peer_partial_sum, slot_sum
 
@@ -122,7 +121,8 @@ class SymmetricPeerMemory:
                                                  dtype=torch.int64, device=self.device)
         return d
 
-    def _regions(self, width: int, dtype, max_rows: int, vdtype, max_values: int):
+    def _regions(self, width: int, dtype, max_rows: int, vdtype, max_values: int, *,
+                 rows: bool, values: bool):
         """The next half's per-rank rows ``(max_rows, width)`` and values ``(max_values,)``
         regions (None where not asked for)."""
         rows_bytes = _round(max_rows * width * dtype.itemsize, _ALIGN)
@@ -130,10 +130,10 @@ class SymmetricPeerMemory:
         self._flip ^= 1
         at = self._flip * self._half
         peer_rows = peer_vals = None
-        if dtype is not None and width:
+        if rows:
             peer_rows = tuple(f[:max_rows * width].view(max_rows, width)
                               for f in self._halves(at, dtype))
-        if max_values:
+        if values:
             v0 = rows_bytes // vdtype.itemsize
             peer_vals = tuple(f[v0:v0 + max_values] for f in self._halves(at, vdtype))
         return peer_rows, peer_vals
@@ -142,24 +142,22 @@ class SymmetricPeerMemory:
         if values is not None:
             peer_vals[self.rank][:values.shape[0]].copy_(values)
         self._hdl.barrier(channel=0)
-        return PeerView(self.rank, peer_rows, peer_vals if values is not None else None,
+        return PeerView(self.rank, peer_rows, peer_vals,
                         None if peer_rows is None else self._element_offsets(dtype.itemsize),
                         None if values is None else self._element_offsets(vdtype.itemsize),
                         self._bytes)
 
-    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
+    def expose(self, rows, values, max_rows: int, max_values: int) -> PeerView:
         width = rows.shape[1] if rows is not None else 0
         dtype = rows.dtype if rows is not None else torch.uint8
         vdtype = values.dtype if values is not None else torch.uint8
-        peer_rows, peer_vals = self._regions(width, dtype, max_rows if rows is not None else 0,
-                                             vdtype, max_values if values is not None else 0)
+        peer_rows, peer_vals = self._regions(
+            width, dtype, max_rows if rows is not None else 0, vdtype,
+            max_values if values is not None else 0, rows=rows is not None,
+            values=values is not None)
         if rows is not None:
-            if index is not None:
-                kernels.gather_rows(rows, index, out=peer_rows[self.rank][:index.numel()])
-            else:
-                peer_rows[self.rank][:rows.shape[0]].copy_(rows)
-        return self._publish(peer_rows if rows is not None else None, peer_vals, values, dtype,
-                             vdtype)
+            peer_rows[self.rank][:rows.shape[0]].copy_(rows)
+        return self._publish(peer_rows, peer_vals, values, dtype, vdtype)
 
     def expose_written(self, write, width: int, dtype, max_rows: int, values,
                        max_values: int, device=None) -> PeerView:
@@ -167,9 +165,9 @@ class SymmetricPeerMemory:
         its ``(max_rows, width)`` region (no copy), and ``values`` copied."""
         vdtype = values.dtype if values is not None else torch.uint8
         peer_rows, peer_vals = self._regions(width, dtype, max_rows, vdtype,
-                                             max_values if values is not None else 0)
-        if peer_rows is not None:
-            write(peer_rows[self.rank])
+                                             max_values if values is not None else 0,
+                                             rows=True, values=values is not None)
+        write(peer_rows[self.rank])
         return self._publish(peer_rows, peer_vals, values, dtype, vdtype)
 
 
@@ -189,9 +187,7 @@ class GatheredPeerMemory:
         dist.all_gather(out, padded, group=self.group)
         return tuple(out)
 
-    def expose(self, rows, values, max_rows: int, max_values: int, index=None) -> PeerView:
-        if rows is not None and index is not None:
-            rows = rows.index_select(0, index)
+    def expose(self, rows, values, max_rows: int, max_values: int) -> PeerView:
         return PeerView(self.rank,
                         None if rows is None else self._gather(rows, max_rows),
                         None if values is None else self._gather(values, max_values))

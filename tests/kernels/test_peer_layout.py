@@ -26,7 +26,7 @@ def _plans(ep, e, k, seed):
 
 
 @pytest.mark.parametrize("ep,e,k", [(1, 4, 2), (2, 8, 3), (2, 6, 1), (3, 12, 4), (4, 8, 8),
-                                    (2, 128, 8)])
+                                    (2, 128, 8), (4, 60, 6), (8, 64, 8)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernels_match_the_pure_layout_on_every_rank(ep, e, k, seed):
     plans = _plans(ep, e, k, seed)

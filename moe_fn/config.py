@@ -51,9 +51,10 @@ class MoEConfig:
     and sum its rows on the expert side, as DeepEP does, instead of one row per (token,
     expert); fewer bytes, no longer bit-identical to one rank in bf16),
     ``all_to_all_transport`` (``all_to_all`` only: ``"collective"`` moves rows with
-    ``all_to_all_single``; ``"symm_mem"`` publishes them in torch symmetric memory and
-    each rank pulls the rows it needs over NVLink straight into place, one pass instead of
-    three — CUDA ranks of one host; on CPUs a gathering stand-in runs the same logic).
+    ``all_to_all_single``; ``"symm_mem"`` publishes what each rank holds in torch symmetric
+    memory and the others read it over NVLink straight into place — each token once per
+    rank for the dispatch, one float32 partial per (token, rank) for the combine — CUDA
+    ranks of one host; on CPUs a gathering stand-in runs the same logic).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
@@ -160,9 +161,9 @@ class MoEConfig:
                     "use comm_backend='all_to_all'")
             if self.all_to_all_dedup:
                 raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} pulls one row per "
-                    "(token, expert); all_to_all_dedup=True sends tokens once over "
-                    "all_to_all_single: set one of them back to its default")
+                    f"all_to_all_transport={self.all_to_all_transport!r} reads rows from "
+                    "peer memory; all_to_all_dedup=True is another transport (tokens over "
+                    "all_to_all_single): set one of them back to its default")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts})")

@@ -229,31 +229,26 @@ def _sm_count(device) -> int:
 
 
 def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool = True,
-              num_programs: int | None = None, token_slots=None):
+              token_slots=None):
     """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (unless ``rows`` is
     False) and ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
-    ``(out or None, vout or None)``. ``num_programs`` bounds the CUDA kernel's grid (the
-    SMs it may occupy, each program then running more warps; default: one program per
-    SM). ``token_slots`` (``PeerRowsHandle.token_slots`` of these indices, ``row_div``
-    being top_k): the CUDA kernel then reads each token row once however many rows copy
-    it."""
+    ``(out or None, vout or None)``, on the whole GPU. ``token_slots``
+    (``PeerRowsHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
+    kernel then reads each token row once however many rows copy it."""
     peers = view.rows if rows else None
     ref = peers[view.rank] if peers is not None else view.values[view.rank]
     if use_triton(ref) and not torch.compiler.is_compiling():
         from ..kernels import peer
 
-        few = num_programs is not None
         if token_slots is not None and peers is not None:
             return peer.launch_pull_token_rows(
                 peers, view.values, view.rank, token_slots, src_idx.numel(), row_div,
-                num_programs=num_programs or peer.PULL_TOKENS_PER_SM * _sm_count(ref.device),
-                num_warps=peer.FEW_SMS_PULL_WARPS if few else None,
+                num_programs=peer.PULL_TOKENS_PER_SM * _sm_count(ref.device),
                 rows_offsets=view.rows_offsets, values_offsets=view.values_offsets,
                 byte_offsets=view.byte_offsets)
         return peer.launch_pull_rows(
             peers, view.values, view.rank, src_rank, src_idx, row_div=row_div,
-            num_programs=num_programs or _sm_count(ref.device),
-            num_warps=peer.FEW_SMS_PULL_WARPS if few else None,
+            num_programs=_sm_count(ref.device),
             rows_offsets=view.rows_offsets if peers is not None else None,
             values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
     # The pure twin (also what float64 takes on CUDA).
@@ -262,19 +257,15 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool
     return out, vout
 
 
-def write_slot_sums(out, rows, token_slots, top_k: int, weights=None, *,
-                    num_programs: int | None = None):
+def write_slot_sums(out, rows, token_slots, top_k: int, weights=None):
     """``out[g] = slot_sum(rows, token_slots, top_k, weights)[g]`` for the groups with a slot
-    (``moe_fn.pure.dispatch.slot_sum``; the CUDA kernel leaves the others unwritten)."""
+    (``moe_fn.pure.dispatch.slot_sum``; the CUDA kernel, on the whole GPU, leaves the others
+    unwritten)."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from ..kernels import peer
 
-        few = num_programs is not None
-        return peer.launch_slot_sum(
-            rows, token_slots, top_k, out, weights,
-            num_programs=num_programs or 2 * _sm_count(rows.device),
-            tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
-            num_warps=peer.FEW_SMS_SUM_WARPS if few else None)
+        return peer.launch_slot_sum(rows, token_slots, top_k, out, weights,
+                                    num_programs=2 * _sm_count(rows.device))
     part = slot_sum(rows, token_slots, top_k, weights)
     out[:part.shape[0]] = part
     return out

@@ -28,12 +28,12 @@ from ._launch import cdiv, launch, next_pow2
 from .gather_sum import _vec
 
 _BLOCK_C = 2048
-# Rows per program step of the pull, tokens per step of the sums (the combine's), and
-# warps, from a sweep on two H200s (bench/RESULTS.md): with the whole GPU, and on the few
-# SMs an overlapped backward combine gets, where each program needs more reads in flight.
+# Rows per program step of the pull, tokens per step of the combine's sums, and warps,
+# from a sweep on two H200s (bench/RESULTS.md): with the whole GPU, and for the partials'
+# pull on the few SMs an overlapped backward combine gets, where each program needs more
+# reads in flight.
 PULL_ROWS, PULL_WARPS = 16, 8
 SUM_TOKENS, SUM_BLOCK_C, SUM_WARPS = 2, 1024, 8
-FEW_SMS_PULL_WARPS = 16
 # (The combine's partial pull on 12 / 20 / 24 programs: 32 tokens a step and 16 warps took
 # 0.58 / 0.41 / 0.34 ms, 8 tokens 0.76 / 0.50 / 0.45, the whole GPU 0.30-0.33.)
 FEW_SMS_SUM_TOKENS, FEW_SMS_SUM_WARPS = 32, 16
@@ -72,6 +72,17 @@ def _pull_rows_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, idx_ptr, out_
 
 
 @triton.jit
+def _slot_groups(slots_ptr, start, n_groups, K: tl.constexpr, SEGS: tl.constexpr):
+    """Groups ``g = start + [0, SEGS)`` of a (group, K) slot table, and which of them have a
+    slot (>= 0): the only ones worth reading or writing."""
+    g = (start + tl.arange(0, SEGS)).to(tl.int64)
+    used = tl.zeros((SEGS,), dtype=tl.int1)
+    for q in tl.static_range(K):
+        used = used | (tl.load(slots_ptr + g * K + q, mask=g < n_groups, other=-1) >= 0)
+    return g, used
+
+
+@triton.jit
 def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, slots_ptr, out_ptr, vout_ptr,
                             n_groups, max_tokens, width, s_r, s_o, K: tl.constexpr,
                             HAS_VALS: tl.constexpr, SEGS: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -81,11 +92,7 @@ def _pull_token_rows_kernel(ref, rows_delta, vref, vals_delta, slots_ptr, out_pt
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for start in range(pid * SEGS, n_groups, nprog * SEGS):
-        g = (start + tl.arange(0, SEGS)).to(tl.int64)
-        mg = g < n_groups
-        used = tl.zeros((SEGS,), dtype=tl.int1)
-        for q in tl.static_range(K):
-            used = used | (tl.load(slots_ptr + g * K + q, mask=mg, other=-1) >= 0)
+        g, used = _slot_groups(slots_ptr, start, n_groups, K, SEGS)
         s = g // max_tokens
         t = g - s * max_tokens
         d = tl.multiple_of(tl.load(rows_delta + s, mask=used, other=0), VEC)
@@ -115,11 +122,7 @@ def _slot_sum_kernel(y_ptr, w_ptr, slots_ptr, out_ptr, n_groups, width, s_y, s_o
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for start in range(pid * SEGS, n_groups, nprog * SEGS):
-        g = (start + tl.arange(0, SEGS)).to(tl.int64)
-        mg = g < n_groups
-        used = tl.zeros((SEGS,), dtype=tl.int1)
-        for q in tl.static_range(K):
-            used = used | (tl.load(slots_ptr + g * K + q, mask=mg, other=-1) >= 0)
+        g, used = _slot_groups(slots_ptr, start, n_groups, K, SEGS)
         for c0 in range(0, width, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mc = (cols < width)[None, :]
@@ -147,14 +150,17 @@ def _pull_partials_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, vpos_ptr,
     for start in range(pid * TOK, n_tok, nprog * TOK):
         t = (start + tl.arange(0, TOK)).to(tl.int64)
         mt = t < n_tok
+        # The ranks holding any of each token's rows, as bits (read once, not per column).
+        ranks = tl.zeros((TOK,), dtype=tl.int64)
+        for j in tl.static_range(K):
+            r = tl.load(rank_ptr + t * K + j, mask=mt, other=0).to(tl.int64)
+            ranks = ranks | tl.where(mt, tl.full((TOK,), 1, tl.int64) << r, 0)
         for c0 in range(0, width, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             m = mt[:, None] & (cols < width)[None, :]
             acc = tl.zeros((TOK, BLOCK_C), dtype=tl.float32)
             for o in tl.static_range(EP):
-                here = tl.zeros((TOK,), dtype=tl.int1)
-                for j in tl.static_range(K):
-                    here = here | (tl.load(rank_ptr + t * K + j, mask=mt, other=-1) == o)
+                here = ((ranks >> o) & 1) != 0
                 d = tl.multiple_of(tl.load(rows_delta + o), VEC)
                 src = ref + (d + (me * max_tokens + t) * (s_r * VEC))[:, None]
                 acc += tl.load(src + cols[None, :], mask=m & here[:, None],
@@ -336,6 +342,8 @@ def launch_pull_partials(partials, values, rank: int, home_rank, values_pos, top
     ref, rows_offsets = _peer_args(partials, rank, "partials", rows_offsets)
     width = ref.shape[1]
     n = home_rank.numel()
+    if len(partials) > 63:  # the kernel keeps each token's ranks as bits of an int64
+        raise ValueError(f"at most 63 ranks, got {len(partials)}")
     if ref.shape[0] < len(partials) * max_tokens:
         raise ValueError(f"partials must hold a row per (rank, token): {len(partials)} ranks "
                          f"of {max_tokens} tokens, got {ref.shape[0]} rows")

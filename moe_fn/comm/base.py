@@ -95,21 +95,22 @@ class Exchange:
         """
         if not d_rows.is_cuda or not self.combine_on_side_stream:
             return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
-        main, side = self._side_stream_after(d_rows.device)
+        main, side = self._side_stream_after(d_rows.device, d_rows, d_row_weights)
         with torch.cuda.stream(side):
             dx, d_w = self.dispatch_bwd(handle, d_rows, d_row_weights)
-        for t in (d_rows, d_row_weights):
-            if t is not None:
-                t.record_stream(side)
         return self._joined(main, side, dx, d_w)
 
-    def _side_stream_after(self, device):
+    def _side_stream_after(self, device, *inputs):
         """``(main, side)``: this exchange's side stream, ordered after the work queued on
-        the current stream so far."""
+        the current stream so far, with ``inputs`` (``None`` skipped) recorded as used by
+        it so that their memory outlives its reads."""
         main = torch.cuda.current_stream(device)
         if getattr(self, "_side_stream", None) is None:
             self._side_stream = torch.cuda.Stream(device)
         self._side_stream.wait_stream(main)
+        for t in inputs:
+            if t is not None:
+                t.record_stream(self._side_stream)
         return main, self._side_stream
 
     @staticmethod

@@ -122,24 +122,27 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     def dispatch_bwd(self, handle: PeerRowsHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
         """Row gradients summed per token where they are, then pulled home. With
-        ``async_op`` (the overlapped backward, ``start_dispatch_bwd``) the sums still run
-        at once with the whole GPU (local reads, short) and only the pulls over NVLink run
-        on a side stream, on ``num_sms`` programs, beside what the caller queues next (the
-        SMs the weight-gradient GEMMs leave free); ``wait()`` joins them."""
+        ``async_op`` on CUDA (the overlapped backward, ``start_dispatch_bwd``) both run on a
+        side stream beside what the caller queues next: the sums with the whole grid, the
+        pulls over NVLink on ``num_sms`` programs; ``wait()`` joins them. (The sums on the
+        few SMs the weight-gradient GEMMs leave free slowed those GEMMs by more than they
+        hid, and the sums on the caller's stream ran before the GEMMs, unhidden:
+        bench/RESULTS.md.) On the CPU the sums run at once and the pulls in ``wait()``."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
-        view = self._expose_partials(d_rows, d_row_weights, handle)
 
         def shaped(dx, d_w):
             return dx, None if d_w is None else d_w.reshape(plan.num_tokens, plan.top_k)
+        if async_op and d_rows.is_cuda:
+            main, side = self._side_stream_after(d_rows.device, d_rows, d_row_weights)
+            with torch.cuda.stream(side):
+                view = self._expose_partials(d_rows, d_row_weights, handle)
+                dx, d_w = self._pull_home(view, handle, d_rows.dtype, self.num_sms)
+            return self._joined(main, side, dx, d_w, then=shaped)
+        view = self._expose_partials(d_rows, d_row_weights, handle)
         if not async_op:
             return shaped(*self._pull_home(view, handle, d_rows.dtype))
-        if not d_rows.is_cuda:
-            return Pending(lambda: shaped(*self._pull_home(view, handle, d_rows.dtype)))
-        main, side = self._side_stream_after(d_rows.device)
-        with torch.cuda.stream(side):
-            dx, d_w = self._pull_home(view, handle, d_rows.dtype, self.num_sms)
-        return self._joined(main, side, dx, d_w, then=shaped)
+        return Pending(lambda: shaped(*self._pull_home(view, handle, d_rows.dtype)))
 
     def start_dispatch_bwd(self, handle, d_rows, d_row_weights) -> Pending:
         return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)

@@ -302,8 +302,23 @@ def recompute_phases(backend, layers, x, dy, reps, results):
     forward, the recompute, the rest of the backward, and the forward combine inside the
     skip-off recompute. In a step the host runs ahead of the GPU, so a phase's interval is
     its time on the GPU's timeline (including any wait for the host), which is what the
-    skip can save; the standalone combine timing above starts from an idle GPU instead."""
+    skip can save; the standalone combine timing above starts from an idle GPU instead.
+    Also in place: the forward's fresh dispatch (route plan, layout and dispatch, as the
+    exchange section's standalone timing) and the recompute's cached dispatch."""
     marks = []
+    dmarks = []  # (tag, event): the dispatches' own marks, apart from the phase marks
+
+    def dmark(tag):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        dmarks.append((tag, ev))
+
+    real_plan = moe_fn.layer.make_route_plan
+
+    def plan_marked(*a, **kw):
+        dmark("plan")
+        return real_plan(*a, **kw)
+    moe_fn.layer.make_route_plan = plan_marked
 
     def mark():
         ev = torch.cuda.Event(enable_timing=True)
@@ -323,6 +338,13 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                 return out
             setattr(layer.exchange, name, wrapped)
 
+        def dispatch_marked(*a, _real=layer.exchange.dispatch_fwd, cached=False, **kw):
+            dmark("cached" if cached else "fresh")
+            out = _real(*a, cached=cached, **kw)
+            dmark("end")
+            return out
+        layer.exchange.dispatch_fwd = dispatch_marked
+
     def block(layer):
         def fn(h):
             mark()
@@ -331,8 +353,8 @@ def recompute_phases(backend, layers, x, dy, reps, results):
             return out
         return fn
 
-    phases = [{"forward": [], "recompute": [], "backward_rest": [], "recompute_combine": []}
-              for _ in layers]
+    phases = [{"forward": [], "recompute": [], "backward_rest": [], "recompute_combine": [],
+               "fresh_dispatch": [], "cached_dispatch": []} for _ in layers]
     try:
         for rep in range(reps + 3):
             for arm, layer in enumerate(layers):
@@ -341,6 +363,7 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                 torch.cuda.synchronize()
                 dist.barrier()
                 marks.clear()
+                dmarks.clear()
                 moe_fn.checkpoint(block(layer), x).backward(dy)
                 mark()
                 torch.cuda.synchronize()
@@ -360,9 +383,17 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                 ph["backward_rest"].append(r1.elapsed_time(marks[-1]))
                 if len(marks) == 9:  # the recompute's combine ran
                     ph["recompute_combine"].append(marks[5].elapsed_time(marks[6]))
+                tags = [t for t, _ in dmarks]
+                if tags != ["plan", "fresh", "end", "cached", "end"]:
+                    raise RuntimeError(f"arm {arm}: dispatch marks {tags}, expected one "
+                                       "fresh dispatch in the forward, one cached in the "
+                                       "recompute")
+                ph["fresh_dispatch"].append(dmarks[0][1].elapsed_time(dmarks[2][1]))
+                ph["cached_dispatch"].append(dmarks[3][1].elapsed_time(dmarks[4][1]))
     finally:
+        moe_fn.layer.make_route_plan = real_plan
         for layer in layers:
-            for name in _COMBINE_FWD:
+            for name in (*_COMBINE_FWD, "dispatch_fwd"):
                 layer.exchange.__dict__.pop(name, None)
     med = [{k: statistics.median(v) if v else None for k, v in ph.items()} for ph in phases]
     off, on = phases
@@ -373,12 +404,19 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                "recompute_saving_ms": saved, "backward_cost_ms": cost,
                "combine_in_recompute_ms": comb,
                "saving_net_of_backward_cost_ms": saved - cost,
-               "net_saving_fraction_of_combine_in_recompute": (saved - cost) / comb}
+               "net_saving_fraction_of_combine_in_recompute": (saved - cost) / comb,
+               "fresh_dispatch_in_place_ms": med[0]["fresh_dispatch"],
+               "cached_dispatch_in_place_ms": med[0]["cached_dispatch"],
+               "cached_speedup_in_place": statistics.median(
+                   a / b for a, b in zip(off["fresh_dispatch"], off["cached_dispatch"]))}
     results["recompute"][f"{backend} phases"] = summary
     say(f"recompute {backend} phases: off {med[0]}, on {med[1]}")
     say(f"recompute {backend} phases: the recompute's combine took {comb:.3f} ms; the skip "
         f"saves {saved:.3f} ms of the recompute and adds {cost:.3f} ms to the backward "
         f"(net {saved - cost:.3f} ms = {(saved - cost) / comb:.0%} of that combine)")
+    say(f"recompute {backend} dispatch in place: fresh {med[0]['fresh_dispatch']:.3f} ms, "
+        f"cached {med[0]['cached_dispatch']:.3f} ms "
+        f"({summary['cached_speedup_in_place']:.1f}x)")
 
 
 def kernel_times(step_fn, reps=5):

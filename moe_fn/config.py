@@ -164,6 +164,10 @@ class MoEConfig:
                     f"all_to_all_transport={self.all_to_all_transport!r} reads rows from "
                     "peer memory; all_to_all_dedup=True is another transport (tokens over "
                     "all_to_all_single): set one of them back to its default")
+            if self.ep_size > 63:  # the partials' pull keeps a token's ranks in an int64
+                raise ValueError(
+                    f"all_to_all_transport={self.all_to_all_transport!r} supports at most 63 "
+                    f"ranks, got ep_size={self.ep_size}: use all_to_all_transport='collective'")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts})")

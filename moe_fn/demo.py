@@ -306,6 +306,10 @@ def check_args(args) -> None:
         if torch.cuda.device_count() < args.ep:
             raise SystemExit(f"--device cuda --ep {args.ep} needs {args.ep} GPUs, found "
                              f"{torch.cuda.device_count()}")
+    if args.comm is not None and args.ep == 1:  # one process has no exchange to pick
+        raise SystemExit(f"--comm {args.comm} needs --ep 2 (--ep 1 runs the local backend)")
+    if args.comm is None:
+        args.comm = "all_to_all"
     if args.comm == "deepep":
         if args.device != "cuda" or args.ep < 2:
             raise SystemExit("--comm deepep needs --device cuda and --ep 2")
@@ -340,7 +344,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo, default) or cuda (NCCL, one GPU per process)")
     p.add_argument("--comm", choices=("all_to_all", "symm_mem", "deepep"),
-                   default="all_to_all",
+                   default=None,
                    help="exchange for --ep 2: all_to_all (default), symm_mem (all_to_all "
                         "pulling rows from symmetric memory; on CPUs its gathering "
                         "stand-in) or deepep (CUDA, bf16; DeepEP must be importable)")

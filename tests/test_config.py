@@ -39,6 +39,8 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
      "use comm_backend='all_to_all'"),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="symm_mem",
           all_to_all_dedup=True), "set one of them back"),
+    (dict(comm_backend="all_to_all", ep_size=64, all_to_all_transport="symm_mem"),
+     "at most 63 ranks.*use all_to_all_transport='collective'"),
     (dict(comm_backend="deepep", ep_size=3, num_experts=9), "ep_size in"),
     (dict(comm_backend="deepep", ep_size=2, comm_num_sm=21), "comm_num_sm must be even"),
     (dict(comm_backend="deepep", ep_size=2, hidden_size=9000), "DeepEP cannot carry"),

@@ -43,6 +43,9 @@ def test_bad_arguments():
         main(["demo", "--ep", "3"])
     with pytest.raises(SystemExit, match="deepep"):
         main(["demo", "--comm", "deepep"])  # needs CUDA
+    # One process runs the local backend: an exchange asked for is refused, not ignored.
+    with pytest.raises(SystemExit, match="--comm symm_mem needs --ep 2"):
+        main(["demo", "--ep", "1", "--comm", "symm_mem"])
 
 
 def test_demo_single_process(capsys, monkeypatch):

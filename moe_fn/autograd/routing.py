@@ -17,7 +17,8 @@ class Router(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, bias, top_k, score_func, norm_topk_prob, n_group, topk_group,
                 group_score, routed_scaling_factor, replay_idx):
-        # One fused Triton launch on CUDA (no groups, no replay); the pure pair otherwise.
+        # One fused Triton launch on CUDA in eager mode (see kernels.router_fwd for when
+        # it falls back, a replayed route among them); the pure pair otherwise.
         (idx, w), res = kernels.router_fwd(
             logits, bias, top_k=top_k, score_func=score_func, norm_topk_prob=norm_topk_prob,
             n_group=n_group, topk_group=topk_group, group_score=group_score,

@@ -220,7 +220,8 @@ def peer_memory(group, device: torch.device):
 
 def release_peer_memory() -> None:
     """Forget every symmetric buffer (call on every rank, with nothing in flight, e.g.
-    before ``destroy_process_group``); exchanges built before re-create theirs."""
+    before ``destroy_process_group``): it is freed once no move holds it, and the next
+    move of any exchange, built before or after, creates a new one."""
     _SHARED.clear()
 
 
@@ -275,7 +276,9 @@ def pull_partials(view: PeerView, home_rank, values_pos, max_tokens: int, top_k:
                   out_dtype, *, num_programs: int | None = None):
     """Each token's partials summed over the ranks that hold its rows
     (``peer_partial_sum``) in ``out_dtype``, and with values ``vout[i] =
-    view.values[home_rank[i]][values_pos[i]]``: ``(out, vout or None)``."""
+    view.values[home_rank[i]][values_pos[i]]``: ``(out, vout or None)``. ``num_programs``
+    (CUDA: the few SMs an overlapped backward leaves free) also switches to the launch
+    shape that keeps more reads in flight per program; default the whole GPU."""
     ref = view.rows[view.rank]
     if use_triton(ref) and not torch.compiler.is_compiling():
         from ..kernels import peer

@@ -48,13 +48,14 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         # Programs of the overlapped backward combine's pulls (``dispatch_bwd``): the SMs
         # the weight-gradient GEMMs leave free. Every other pull uses the whole GPU.
         self.num_sms = num_sms
-        self._memory = {}
+        if self.ep_size > 63:  # the partials' pull keeps a token's ranks in an int64
+            raise ValueError(f"the symm_mem transport supports at most 63 ranks, got "
+                             f"{self.ep_size}: use all_to_all_transport='collective'")
 
     def _mem(self, device):
-        mem = self._memory.get(device)
-        if mem is None:
-            mem = self._memory[device] = peer_memory(self.group, device)
-        return mem
+        # Looked up every move (a dict lookup), not kept: after release_peer_memory() the
+        # next move builds a new buffer and the old one can be freed.
+        return peer_memory(self.group, device)
 
     # ---- layout ------------------------------------------------------------------------
     def layout(self, plan: RoutePlan) -> PeerRowsHandle:

@@ -344,8 +344,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     defaults to "all_to_all" (``"local"`` for ep_size 1).
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
     gate_up_impl, score_apply ("post" or "activation"; "pre" is refused),
-    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, overlap_weight_grad,
-    skip_recompute_combine.
+    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, all_to_all_dedup,
+    all_to_all_transport, overlap_weight_grad, skip_recompute_combine,
+    recompute_in_checkpoint.
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, an
     unknown or preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose

@@ -1,4 +1,5 @@
-"""Triton kernels that read rows straight out of other GPUs' memory (``moe_fn.comm.peer``).
+"""Triton kernels that read rows straight out of other GPUs' memory (for
+``moe_fn.comm.peer_memory`` and ``moe_fn.comm.peer_rows``).
 
 Each rank exposes a tensor of rows (and optionally one value per row) in memory every
 rank can address (torch symmetric memory over NVLink); a *pull* then builds its output in
@@ -347,6 +348,8 @@ def launch_pull_partials(partials, values, rank: int, home_rank, values_pos, top
     if ref.shape[0] < len(partials) * max_tokens:
         raise ValueError(f"partials must hold a row per (rank, token): {len(partials)} ranks "
                          f"of {max_tokens} tokens, got {ref.shape[0]} rows")
+    if values is not None and values_pos is None:
+        raise ValueError("values need values_pos: each (token, k) value's position at its rank")
     if top_k < 1 or n % top_k or (values_pos is not None and values_pos.numel() != n):
         raise ValueError(f"home_rank (and values_pos) must hold top_k ({top_k}) entries per "
                          f"token, got {n}")

@@ -178,6 +178,9 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="top_k"):
         launch_pull_partials(rows, None, 0, src_rank[:5], None, 2, 3, torch.float32,
                              num_programs=1)
+    with pytest.raises(ValueError, match="values need values_pos"):
+        launch_pull_partials(rows, vals, 0, src_rank[:4], None, 2, 3, torch.float32,
+                             num_programs=1)
     slots, n = _token_slots(2, 6, 2, 5)
     with pytest.raises(ValueError, match="token_slots must hold top_k"):
         launch_pull_token_rows(rows, None, 0, slots[:-1], n, 2, num_programs=1)

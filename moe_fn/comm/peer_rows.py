@@ -128,7 +128,11 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         pulls over NVLink on ``num_sms`` programs; ``wait()`` joins them. (The sums on the
         few SMs the weight-gradient GEMMs leave free slowed those GEMMs by more than they
         hid, and the sums on the caller's stream ran before the GEMMs, unhidden:
-        bench/RESULTS.md.) On the CPU the sums run at once and the pulls in ``wait()``."""
+        bench/RESULTS.md.) On the CPU the sums run at once and the pulls in ``wait()``.
+        Wait for the result before the group's next move on the shared buffer (as
+        ``Dispatch.backward`` does): until then the later moves' barriers, on the caller's
+        stream, are not ordered after these pulls, and the move after next would overwrite
+        the half they read."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
 

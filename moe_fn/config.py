@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import attrs
 import torch
@@ -100,7 +101,10 @@ class MoEConfig:
             raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts "
                              f"({self.num_experts})")
         _one_of("activation", self.activation, ACTIVATIONS)
-        resolve_activation(self.activation, self.activation_alpha, self.activation_limit)
+        try:
+            resolve_activation(self.activation, self.activation_alpha, self.activation_limit)
+        except ValueError as e:  # the functional API's names, said as this config's options
+            raise ValueError(re.sub(r"\b(alpha|limit)\b", r"activation_\1", str(e))) from None
         _one_of("gate_up_layout", self.gate_up_layout, LAYOUTS)
         _one_of("gate_up_impl", self.gate_up_impl, GATE_UP_IMPLS)
         _one_of("score_func", self.score_func, SCORE_FUNCS)

@@ -34,6 +34,10 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
      "use combine_impl='eager' with it"),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=1), "all_to_all_dedup must"),
     (dict(all_to_all_transport="nvlink"), "all_to_all_transport"),
+    (dict(activation_alpha=1.0), "activation_alpha is only used by 'swiglu_oai'.*"
+     "activation_alpha=None"),
+    (dict(activation="swiglu_clamped", activation_limit=-1.0),
+     "activation_limit must be a positive"),
     (dict(all_to_all_transport="symm_mem"), "leave it 'collective'"),
     (dict(comm_backend="deepep", ep_size=2, all_to_all_transport="symm_mem"),
      "use comm_backend='all_to_all'"),

@@ -319,7 +319,12 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
                             send_counts[:, -1], recv_counts[:, -1]]).tolist()
         send_splits, recv_splits = list(splits[:ep]), list(splits[ep:2 * ep])
         tok_send_splits, tok_recv_splits = splits[2 * ep:3 * ep], splits[3 * ep:]
+        # The same counts kept on the device for the index math (a tensor built from the
+        # host ints would be a blocking copy).
+        tok_counts = (send_counts[:, -1], recv_counts[:, -1])
         recv_counts = recv_counts[:, :-1]
+        recv_rows = recv_counts.sum(1)
+        recv_rows[r] = 0
         n = sum(recv_splits)
         # Home side: own slice [a, b) of the sorted rows stays; the rest is sent.
         a = sum(send_splits[:r])
@@ -346,7 +351,7 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         self_flat = plan.perm[a:b]
         token_sends, token_src, slot_src = self._token_layout(
             plan, to_rank, remote_flat, self_flat, recv_dst, self_dst, send_splits,
-            recv_splits, tok_send_splits, tok_recv_splits, n)
+            recv_splits, recv_rows, tok_counts, sum(tok_send_splits), sum(tok_recv_splits), n)
         return _make_handle(
             plan, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             expert_src=expert_src,
@@ -359,24 +364,25 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
             token_src=token_src, slot_src=slot_src)
 
     def _token_layout(self, plan, to_rank, remote_flat, self_flat, recv_dst, self_dst,
-                      send_splits, recv_splits, tok_send_splits, tok_recv_splits, n):
+                      send_splits, recv_splits, recv_rows, tok_counts, n_tok_send,
+                      n_tok_recv, n):
         """The token-once moves to the experts: ``(token_sends, token_src, slot_src)``
         (``SortedRowsHandle``). Each sent row's (token position in its destination's
         chunk, slot) crosses once, in one small all-to-all with the rows' split sizes."""
         ep, e_local = self.ep_size, self.num_local_experts
         t, k = plan.num_tokens, plan.top_k
         dev = plan.perm.device
-        n_tok_send = sum(tok_send_splits)
+        tok_send, tok_recv = tok_counts
         # Sent tokens grouped by rank, ascending within one (a stable sort of the
         # (rank, token) flags, True first, bounded by the host-known count).
         flags = to_rank.t().reshape(-1)
         order = torch.sort((~flags).to(torch.int8), stable=True)[1][:n_tok_send]
         token_sends = order % t if t else order
         # Each (rank, token)'s position within that rank's chunk.
-        starts = torch.tensor([sum(tok_send_splits[:d]) for d in range(ep)], device=dev)
+        starts = torch.cumsum(tok_send, 0) - tok_send
         pos = torch.full((ep * t,), -1, dtype=torch.int64, device=dev)
         pos[order] = torch.arange(n_tok_send, device=dev) - starts.repeat_interleave(
-            torch.tensor(tok_send_splits, device=dev), output_size=n_tok_send)
+            tok_send, output_size=n_tok_send)
         token, slot = remote_flat // k, remote_flat % k
         dest = torch.div(plan.topk_idx.reshape(-1)[remote_flat], e_local,
                          rounding_mode="floor")
@@ -385,13 +391,13 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         recv = recv.reshape(-1)
         n_recv = recv.numel()
         # The received rows' tokens, as positions in [received tokens; own tokens].
-        src_rank = torch.arange(ep, device=dev).repeat_interleave(
-            torch.tensor(recv_splits, device=dev), output_size=n_recv)
-        recv_starts = torch.tensor([sum(tok_recv_splits[:s]) for s in range(ep)], device=dev)
+        src_rank = torch.arange(ep, device=dev).repeat_interleave(recv_rows,
+                                                                  output_size=n_recv)
+        recv_starts = torch.cumsum(tok_recv, 0) - tok_recv
         token_src = torch.empty(n, dtype=torch.int64, device=dev)
         slot_src = torch.empty(n, dtype=torch.int64, device=dev)
         token_src[recv_dst] = recv_starts[src_rank] + recv // k
         slot_src[recv_dst] = recv % k
-        token_src[self_dst] = sum(tok_recv_splits) + self_flat // k
+        token_src[self_dst] = n_tok_recv + self_flat // k
         slot_src[self_dst] = self_flat % k
         return token_sends, token_src, token_src * k + slot_src

@@ -60,13 +60,6 @@ class SortedRowsHandle:
     ``num_rows``: N, rows this rank computes.
     ``flat``: the same layout for inputs with one row per (token, k) (routing weights):
     its ``remote_tokens``/``self_tokens`` index flattened rows; None inside ``flat``.
-    Moves of token rows to the experts (all_to_all; None on one rank) send each token
-    once to each other rank that owns one of its experts:
-    ``token_sends`` (n_tok_send,) int64: the tokens sent, grouped by destination rank,
-    ascending within one; ``token_send_splits`` / ``token_recv_splits``: their counts per
-    rank (host ints, 0 for this rank); ``token_src`` (N,) int64: for each expert-major row,
-    its token's position in [received tokens, in arrival order; this rank's T tokens];
-    ``slot_src`` (N,) int64: ``token_src * k + j``, j the row's slot among its token's k.
     """
 
     plan: RoutePlan
@@ -81,11 +74,6 @@ class SortedRowsHandle:
     local_offs: torch.Tensor
     num_rows: int
     flat: SortedRowsHandle | None
-    token_sends: torch.Tensor | None = None
-    token_send_splits: tuple[int, ...] | None = None
-    token_recv_splits: tuple[int, ...] | None = None
-    token_src: torch.Tensor | None = None
-    slot_src: torch.Tensor | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)

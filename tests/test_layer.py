@@ -291,11 +291,11 @@ def _count_collectives(world, dedup, dtype):
         backward = len(calls) - forward
     finally:
         dist.all_to_all_single = real
-    # Forward: the layout's counts and one small table (the received tokens' expert ids,
-    # or each sent row's token and slot), the tokens with their routing weights packed in,
-    # the combine; backward: the output gradient out, the row gradients with the weight
-    # gradients packed in back (sent apart, the weights would add one collective each way).
-    assert (forward, backward) == (4, 2), calls
+    # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
+    # rows with their routing weights packed in, the combine; backward: the output gradient
+    # out, the row gradients with the weight gradients packed in back (sent apart, the
+    # weights would add one collective each way).
+    assert (forward, backward) == (4 if dedup else 3, 2), calls
     assert calls[forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
     assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
 

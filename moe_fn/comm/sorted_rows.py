@@ -1,14 +1,10 @@
 """Exchanges over expert-sorted (token, k) rows: ``local`` (one rank) and ``all_to_all``.
 
 The home rank sorts its T*k rows by global expert (``RoutePlan.perm``); the rows for rank
-d are then contiguous. Moves of token rows to the experts (dispatch, its replay, the
-combine's backward) send each token once to each other rank that owns one of its experts
-(one ``all_to_all_single`` with split sizes; its k routing weights packed behind it), and
-the receiver gathers [received tokens; its own tokens] into expert-major rows
-(``local_offs``): the same rows as one per (token, expert), fewer bytes. Moves home send
-one row per (token, expert), a rank's own rows copied into place while the remote rows
-are in flight, and the home sums each token's k rows in a fixed order (bit-identical to
-one rank).
+d are then contiguous, so one ``all_to_all_single`` with split sizes moves them. A rank's
+rows for its own experts never enter the collective: they are copied into place while the
+remote rows are in flight. The receiver places every row at its expert-major position
+(``local_offs``). Combine runs the same moves backwards and sums each token's k rows.
 """
 
 from __future__ import annotations
@@ -95,36 +91,10 @@ class SortedRowsExchange(Exchange):
         if h.self_dst is None:  # one rank: sorted order is expert order
             w = None if weights is None else weights.index_select(0, h.flat.self_tokens)
             return lambda: (token_rows, h.self_tokens, w)
-        # Each token once to each other rank that owns one of its experts (its k weights
-        # packed behind it); src = [received tokens; own tokens], expert row i at
-        # src[token_src[i]], its weight at slot_src[i] of the (token, k) weights.
-        n_in = sum(h.token_recv_splits)
-        t = token_rows.shape[0]
-        st = h.token_sends
-        if weights is None:
-            buf = token_rows.new_empty((n_in + t, token_rows.shape[1]))
-            send = token_rows.index_select(0, st)
-        else:
-            w = weights.reshape(t, h.plan.top_k)
-            buf = new_packed(token_rows, n_in + t, w)
-            send = pack_rows(token_rows, st, w, st, new_packed(token_rows, st.numel(), w))
-        _, work = self._exchange(send, h.token_send_splits, h.token_recv_splits,
-                                 async_op=async_op, out=buf[:n_in])
-        # Own tokens into the tail while the others are in flight.
-        if weights is None:
-            buf[n_in:].copy_(token_rows)
-        else:
-            pack_rows(None, None, w, None, buf[n_in:])
-            buf[n_in:, :token_rows.shape[1]].copy_(token_rows)
-
-        def finish():
-            if work is not None:
-                work.wait()
-            if weights is None:
-                return buf, h.token_src, None
-            src, w_src = unpack_rows(buf, w)
-            return src, h.token_src, w_src.reshape(-1).index_select(0, h.slot_src)
-        return finish
+        # [received rows; own rows], then one gather into expert order.
+        return self._move(token_rows, (h.remote_tokens, h.self_tokens), h.send_splits,
+                          h.recv_splits, h.num_rows, h.expert_src, async_op, weights,
+                          (h.flat.remote_tokens, h.flat.self_tokens))
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None):
         """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order, weights)``
@@ -294,8 +264,7 @@ def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=Non
 
 
 class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
-    """Token rows to the experts once per (token, rank), expert rows home one per
-    (token, expert), over ``all_to_all_single`` with split sizes."""
+    """One row per (token, expert) over ``all_to_all_single`` with split sizes."""
 
     def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
         self.fused_combine = fused_combine
@@ -304,28 +273,14 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
 
     def _layout_counts(self, plan):
         ep, e_local, r = self.ep_size, self.num_local_experts, self.rank
-        t = plan.num_tokens
         send_counts = plan.counts.reshape(ep, e_local)
-        # Tokens to each other rank that owns one of their experts (sent once however many).
-        dev = plan.perm.device
-        to_rank = torch.zeros(t, ep, dtype=torch.bool, device=dev)
-        to_rank.scatter_(1, torch.div(plan.topk_idx, e_local, rounding_mode="floor"), True)
-        to_rank[:, r] = False
-        send_counts = torch.cat([send_counts, to_rank.sum(0)[:, None]], 1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        # One host sync for every split vector: the all-to-alls need them as ints.
-        splits = torch.cat([send_counts[:, :-1].sum(1), recv_counts[:, :-1].sum(1),
-                            send_counts[:, -1], recv_counts[:, -1]]).tolist()
-        send_splits, recv_splits = list(splits[:ep]), list(splits[ep:2 * ep])
-        tok_send_splits, tok_recv_splits = splits[2 * ep:3 * ep], splits[3 * ep:]
-        # The same counts kept on the device for the index math (a tensor built from the
-        # host ints would be a blocking copy).
-        tok_counts = (send_counts[:, -1], recv_counts[:, -1])
-        recv_counts = recv_counts[:, :-1]
-        recv_rows = recv_counts.sum(1)
-        recv_rows[r] = 0
+        # One host sync for both split vectors: the row all-to-all needs them as ints.
+        splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        send_splits, recv_splits = list(splits[:ep]), list(splits[ep:])
         n = sum(recv_splits)
+        dev = plan.perm.device
         # Home side: own slice [a, b) of the sorted rows stays; the rest is sent.
         a = sum(send_splits[:r])
         b = a + send_splits[r]
@@ -343,61 +298,15 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         n_recv = n - own_rows
         # Slices with host-known bounds, not boolean masks: a mask index would sync again.
         recv_dst = _without(dst_of_src, sa, sb)
-        self_dst = dst_of_src[sa:sa + own_rows]
         expert_src = torch.empty(n, dtype=torch.int64, device=dev)
         expert_src[recv_dst] = torch.arange(n_recv, device=dev)
-        expert_src[self_dst] = n_recv + torch.arange(own_rows, device=dev)
-        remote_flat = _without(plan.perm, a, b)
-        self_flat = plan.perm[a:b]
-        token_sends, token_src, slot_src = self._token_layout(
-            plan, to_rank, remote_flat, self_flat, recv_dst, self_dst, send_splits,
-            recv_splits, recv_rows, tok_counts, sum(tok_send_splits), sum(tok_recv_splits), n)
+        expert_src[dst_of_src[sa:sa + own_rows]] = n_recv + torch.arange(own_rows, device=dev)
         return _make_handle(
             plan, send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             expert_src=expert_src,
-            remote_tokens=_without(plan.token_of_sorted, a, b), remote_flat=remote_flat,
-            self_tokens=plan.token_of_sorted[a:b], self_flat=self_flat,
-            self_dst=self_dst, recv_dst=recv_dst,
+            remote_tokens=_without(plan.token_of_sorted, a, b),
+            remote_flat=_without(plan.perm, a, b),
+            self_tokens=plan.token_of_sorted[a:b], self_flat=plan.perm[a:b],
+            self_dst=dst_of_src[sa:sa + own_rows], recv_dst=recv_dst,
             home_order=home_order, local_offs=torch.cumsum(recv_counts.sum(0), 0).to(
-                torch.int32), num_rows=n, token_sends=token_sends,
-            token_send_splits=tuple(tok_send_splits), token_recv_splits=tuple(tok_recv_splits),
-            token_src=token_src, slot_src=slot_src)
-
-    def _token_layout(self, plan, to_rank, remote_flat, self_flat, recv_dst, self_dst,
-                      send_splits, recv_splits, recv_rows, tok_counts, n_tok_send,
-                      n_tok_recv, n):
-        """The token-once moves to the experts: ``(token_sends, token_src, slot_src)``
-        (``SortedRowsHandle``). Each sent row's (token position in its destination's
-        chunk, slot) crosses once, in one small all-to-all with the rows' split sizes."""
-        ep, e_local = self.ep_size, self.num_local_experts
-        t, k = plan.num_tokens, plan.top_k
-        dev = plan.perm.device
-        tok_send, tok_recv = tok_counts
-        # Sent tokens grouped by rank, ascending within one (a stable sort of the
-        # (rank, token) flags, True first, bounded by the host-known count).
-        flags = to_rank.t().reshape(-1)
-        order = torch.sort((~flags).to(torch.int8), stable=True)[1][:n_tok_send]
-        token_sends = order % t if t else order
-        # Each (rank, token)'s position within that rank's chunk.
-        starts = torch.cumsum(tok_send, 0) - tok_send
-        pos = torch.full((ep * t,), -1, dtype=torch.int64, device=dev)
-        pos[order] = torch.arange(n_tok_send, device=dev) - starts.repeat_interleave(
-            tok_send, output_size=n_tok_send)
-        token, slot = remote_flat // k, remote_flat % k
-        dest = torch.div(plan.topk_idx.reshape(-1)[remote_flat], e_local,
-                         rounding_mode="floor")
-        sent = (pos[dest * t + token] * k + slot)[:, None]
-        recv, _ = self._exchange(sent, send_splits, recv_splits)
-        recv = recv.reshape(-1)
-        n_recv = recv.numel()
-        # The received rows' tokens, as positions in [received tokens; own tokens].
-        src_rank = torch.arange(ep, device=dev).repeat_interleave(recv_rows,
-                                                                  output_size=n_recv)
-        recv_starts = torch.cumsum(tok_recv, 0) - tok_recv
-        token_src = torch.empty(n, dtype=torch.int64, device=dev)
-        slot_src = torch.empty(n, dtype=torch.int64, device=dev)
-        token_src[recv_dst] = recv_starts[src_rank] + recv // k
-        slot_src[recv_dst] = recv % k
-        token_src[self_dst] = n_tok_recv + self_flat // k
-        slot_src[self_dst] = self_flat % k
-        return token_sends, token_src, token_src * k + slot_src
+                torch.int32), num_rows=n)

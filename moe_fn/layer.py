@@ -247,12 +247,18 @@ class MoELayer(nn.Module):
         if region.replaying:
             kept = region.consume(self).kept
             if kept.x_leaf is not None:
-                return ReplayKept.apply(x2, kept)
+                anchor = torch.empty(0, device=x2.device, requires_grad=kept.out.requires_grad
+                                     or kept.logits.requires_grad)
+                return ReplayKept.apply(x2, anchor, kept)
             # Non-reentrant: the forward's own graph serves the backward; the recompute
             # needs only the values (as leaves that require grad where the originals did,
             # so the ops after the layer save what they saved the first time).
             return tuple(t.clone().requires_grad_(t.requires_grad) for t in
                          (kept.out, kept.logits))
+        if not region.grad_at_call:
+            # Called without autograd (no_grad, inference_mode): no backward, so nothing to
+            # keep for it; the plain forward.
+            return self._forward_routed(x2, None)
         if region.reentrant:
             # The forward runs without autograd: build the layer's graph from a leaf copy of
             # its input, which the recompute's backward runs. The leaf always requires grad:

@@ -21,6 +21,7 @@ import itertools
 import threading
 
 import attrs
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 _serials = itertools.count(1)
@@ -65,6 +66,10 @@ class ReplayRegion:
 
     def __init__(self, *, reentrant: bool):
         self.reentrant = reentrant
+        # Whether autograd was on where the checkpoint was called: a reentrant checkpoint
+        # runs its forward without autograd either way, so the layer cannot tell from
+        # inside whether a backward (and the recompute) will come.
+        self.grad_at_call = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         self.serial = next(_serials)
         self.entries: list[ReplayEntry] = []
         self.runs = 0

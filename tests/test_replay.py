@@ -227,3 +227,36 @@ def test_replay_entries_are_consumed_once():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="consumed once"):
         out.sum().backward()
+
+
+def test_kept_layer_gets_its_gradients_when_its_input_needs_none():
+    """Reentrant checkpoint, recompute_in_checkpoint=False, the MoE input a constant: the
+    recompute's node must still run the kept graph, or the router and experts get no
+    gradient at all."""
+    grads = []
+    for kept in (False, True):
+        b = make_model(_cfg(1, recompute_in_checkpoint=not kept))[0]
+        c = torch.randn(6, H, generator=torch.Generator().manual_seed(3))  # no grad
+        x = torch.randn(6, H, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        if kept:
+            out = moe_fn.checkpoint(lambda h, b=b, c=c: h + b.moe(c), x)
+        else:
+            out = x + b.moe(c)
+        (out * torch.linspace(-1, 1, H)).sum().backward()
+        grads.append([b.moe.router.weight.grad, b.moe.experts.gate_up_proj.grad,
+                      b.moe.experts.down_proj.grad])
+    for want, got in zip(*grads):
+        assert got is not None and got.abs().sum() > 0
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_without_autograd_runs_the_plain_forward(ctx, reentrant):
+    b = make_model(_cfg(1, recompute_in_checkpoint=False))[0]
+    x = torch.randn(6, H)
+    with ctx():
+        want = b(x)
+        got = moe_fn.checkpoint(b, x, use_reentrant=reentrant)
+    torch.testing.assert_close(got, want)

@@ -11,10 +11,12 @@ from ._common import refuse_double_backward
 class ReplayKept(torch.autograd.Function):
     """Returns the forward's outputs without running the layer; its backward runs the graph
     the forward built from ``kept.x_leaf`` (parameter gradients accumulate there, as in any
-    backward) and hands the leaf's gradient on as the input's."""
+    backward) and hands the leaf's gradient on as the input's. ``anchor``: an empty tensor
+    that requires grad whenever the kept graph does, so that this node's backward runs
+    (and the layer's parameters get their gradients) even when ``x`` does not require grad."""
 
     @staticmethod
-    def forward(ctx, x, kept):
+    def forward(ctx, x, anchor, kept):
         ctx.kept = kept
         # New tensors: the kept ones belong to the forward's graph.
         return kept.out.detach().clone(), kept.logits.detach().clone()
@@ -33,4 +35,4 @@ class ReplayKept(torch.autograd.Function):
                 grads.append(g)
         if outs:
             torch.autograd.backward(outs, grads)
-        return kept.x_leaf.grad, None
+        return kept.x_leaf.grad, None, None

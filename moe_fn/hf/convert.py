@@ -31,6 +31,7 @@ How a block is converted (no copies, nothing re-registered):
 from __future__ import annotations
 
 import re
+import warnings
 
 import attrs
 import torch
@@ -192,6 +193,9 @@ def _use_reentrant(fn) -> bool | None:
     kw = getattr(fn, "keywords", None)
     if isinstance(kw, dict) and isinstance(kw.get("use_reentrant"), bool):
         return kw["use_reentrant"]
+    if (isinstance(kw, dict) and kw.get("use_reentrant") is None
+            and getattr(fn, "func", None) is torch.utils.checkpoint.checkpoint):
+        return True  # what torch does when it is not passed (with a warning)
     return None
 
 
@@ -201,7 +205,9 @@ class _ReplayCheckpointLayer:
     so the recompute replays each MoELayer's route and dispatch layout (and, with
     ``skip_recompute_combine`` and a reentrant checkpoint, skips the forward combine: the
     presets' decoder layers use the block's output only in the residual add). A function
-    whose reentrancy cannot be read is kept as is (ordinary recompute)."""
+    whose reentrancy cannot be read is kept as is (ordinary recompute, with a warning), and
+    refused when a layer's options need the replay (``skip_recompute_combine``,
+    ``recompute_in_checkpoint=False``), which would otherwise be silently ignored."""
 
     @property
     def _gradient_checkpointing_func(self):
@@ -210,9 +216,28 @@ class _ReplayCheckpointLayer:
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, fn):
         reentrant = _use_reentrant(fn)
-        if fn is not None and reentrant is not None and not getattr(fn, "moe_fn_replay", False):
-            fn = wrap_checkpoint(fn, use_reentrant=reentrant)
+        if fn is not None and not getattr(fn, "moe_fn_replay", False):
+            if reentrant is not None:
+                fn = wrap_checkpoint(fn, use_reentrant=reentrant)
+            else:
+                self._unreadable_checkpoint(fn)
         self.__dict__["_moe_fn_ckpt_func"] = fn
+
+    def _unreadable_checkpoint(self, fn):
+        needs = sorted({opt for m in self.modules() if isinstance(m, ConvertedBlock)
+                        for opt, on in (("skip_recompute_combine=True",
+                                         m.moe_layer.config.skip_recompute_combine),
+                                        ("recompute_in_checkpoint=False",
+                                         not m.moe_layer.config.recompute_in_checkpoint))
+                        if on})
+        what = (f"moe_fn cannot tell whether the checkpoint function {fn!r} is reentrant, "
+                "so its recompute routes the MoE layers again (no replay)")
+        fix = ("pass gradient_checkpointing_kwargs={'use_reentrant': True} (or False) to "
+               "gradient_checkpointing_enable")
+        if needs:
+            raise ValueError(f"{what}, and {', '.join(needs)} would be ignored: {fix}, or "
+                             "convert without those options")
+        warnings.warn(f"{what}: {fix}", stacklevel=3)
 
 
 def _enable_replay(model: nn.Module, block_name: str) -> None:

@@ -290,3 +290,31 @@ def test_expert_parameter_names_cover_every_expert_parameter():
     assert names <= params.keys()
     want = {n for n in params if ".experts." in n}  # GPT-OSS's biases included
     assert names == want and any(n.endswith("_bias") for n in names)
+
+
+@pytest.mark.filterwarnings("ignore:torch.utils.checkpoint")
+def test_checkpoint_kwargs_without_use_reentrant_replay_as_torch_runs_them():
+    """gradient_checkpointing_kwargs without use_reentrant: torch runs a reentrant
+    checkpoint, and the converted layers replay as under one."""
+    ref, conv = _pair("olmoe")
+    for m in (ref, conv):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), "olmoe")
+    _assert_grads_equal(conv, ref, "olmoe")
+    for _, b in converted_blocks(conv):
+        counters = b.moe_layer.exchange.counters
+        assert (counters["layout"], counters["cached_dispatch"]) == (1, 1)
+
+
+def test_unreadable_checkpoint_function_is_refused_where_options_need_replay():
+    def custom_checkpoint(fn, *args, **kwargs):  # a framework's own: mode unknown
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True, **kwargs)
+
+    _, conv = _pair("olmoe", skip_recompute_combine=True)
+    decoder = conv.model.layers[0]
+    with pytest.raises(ValueError, match="skip_recompute_combine=True would be ignored"):
+        decoder._gradient_checkpointing_func = custom_checkpoint
+    _, plain = _pair("olmoe")
+    with pytest.warns(UserWarning, match="cannot tell whether the checkpoint function"):
+        plain.model.layers[0]._gradient_checkpointing_func = custom_checkpoint

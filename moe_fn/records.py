@@ -113,9 +113,9 @@ class TokenExchangeHandle:
     ``owner_pos`` (T, k) int64: the returned-buffer position of the rank owning each of a
     token's k experts. ``token_of_row`` / ``slot_of_row`` / ``row_of_slot`` /
     ``local_offs`` / ``num_rows`` / ``num_recv_tokens``: as in ``DeepEPHandle``.
-    ``row_weights`` (N,) float32: the routing weights the first dispatch delivered to the
-    rows (None before it, or without weights), which a cached dispatch reuses instead of
-    sending them again.
+    ``row_weights`` (N,), in the weights' dtype: the routing weights the first dispatch
+    delivered to the rows (None before it, or without weights), which a cached dispatch
+    reuses instead of sending them again.
     """
 
     plan: RoutePlan

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
 from tests.dist_utils import run_distributed
 
@@ -354,3 +355,28 @@ def test_unpacking_values_of_rows_that_are_not_there_raises():
     packed = new_packed(torch.zeros(0, 13, dtype=torch.bfloat16), 0, values)
     with pytest.raises((IndexError, RuntimeError)):
         unpack_rows(packed, values, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.float64])
+def test_one_packed_row_of_odd_width_unpacks(values_dtype):
+    """A single packed row is a contiguous slice whose values may start at an offset their
+    dtype cannot view from (bf16 rows of odd width): unpacking copies them out."""
+    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+
+    rows = torch.randn(1, 7).to(torch.bfloat16)
+    values = torch.randn(1, 8, dtype=values_dtype)
+    packed = pack_rows(rows, torch.zeros(1, dtype=torch.long), values, None,
+                       new_packed(rows, 1, values))
+    got_rows, got_values = unpack_rows(packed, values)
+    assert torch.equal(got_rows, rows) and torch.equal(got_values, values)
+
+
+def test_cached_dispatch_of_other_tokens_is_refused():
+    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
+    x = torch.randn(6, 8)
+    _, idx, w = layer.route(x)
+    plan = moe_fn.layer.make_route_plan(idx, 4)
+    handle = layer.exchange.layout(plan)
+    layer.exchange.dispatch_fwd(x, w, handle, cached=True)  # the same tokens: fine
+    with pytest.raises(ValueError, match="must move the 6 tokens its handle was made for"):
+        layer.exchange.dispatch_fwd(x[:5], w[:5], handle, cached=True)

@@ -44,11 +44,11 @@ class Exchange:
       local expert (``handle.local_offs``), each with its routing weight. The handle is
       what later moves of the same route reuse. ``cached=True`` replays a dispatch with the
       handle it returned (no layout exchange, no host sync).
-    - ``dispatch_bwd(res, d_rows, d_row_weights, *, async_op) -> (dx, d_weights)`` (or a
+    - ``dispatch_bwd(handle, d_rows, d_row_weights, *, async_op) -> (dx, d_weights)`` (or a
       ``Pending`` when ``async_op``): row gradients back to their tokens, summed over k.
     - ``combine_fwd(rows, handle) -> (out, res)``: expert rows back to their tokens, summed
       over k (weights are applied on the expert side, so the sum is unweighted).
-    - ``combine_bwd(res, d_out) -> d_rows``: a cached dispatch of the output gradient.
+    - ``combine_bwd(handle, d_out) -> d_rows``: a cached dispatch of the output gradient.
 
     Exchanges whose rows come home one by one (``home_weighting = True``: local and
     all_to_all) also offer ``combine_weighted_fwd(rows, weights, handle) -> (out, saved)``
@@ -170,8 +170,9 @@ class AllToAllTransport:
 
 
 # Rows and per-row values (routing weights, their gradients) in one collective: each packed
-# row is [row | the values' bytes | padding to 16 bytes], so rows stay aligned and the values
-# arrive bit for bit, whatever the two dtypes.
+# row is [row | the values' bytes | padding], the tail a multiple of 16 bytes, and the values
+# arrive bit for bit, whatever the two dtypes (unpacking copies them out, so an odd row
+# width never leaves them misaligned).
 def _tail_bytes(values: torch.Tensor) -> int:
     return values.shape[1] * values.element_size()
 
@@ -212,7 +213,10 @@ def unpack_rows(packed, values_like, index=None):
     if (packed.shape[0] if index is None else index.numel()) == 0:
         return packed[:, :h], values_like.new_empty((0, values_like.shape[1]))
     raw = _value_bytes(packed, values_like)
-    raw = raw.contiguous() if index is None else raw.index_select(0, index)
+    # A copy either way: a contiguous slice (one row) may start at an offset the values'
+    # dtype cannot view from (an odd row width).
+    raw = (raw.clone(memory_format=torch.contiguous_format) if index is None
+           else raw.index_select(0, index))
     return packed[:, :h], raw.view(values_like.dtype)
 
 
@@ -251,3 +255,11 @@ def sm_carveout(num_sms: int | None):
         yield
     finally:
         setter(previous)
+
+
+def check_cached_tokens(x, handle) -> None:
+    """A cached dispatch moves the tokens its handle was made for: the same count."""
+    if x.shape[0] != handle.plan.num_tokens:
+        raise ValueError(f"a cached dispatch must move the {handle.plan.num_tokens} tokens its "
+                         f"handle was made for, got {x.shape[0]}: make a fresh layout "
+                         "(exchange.layout) for other tokens")

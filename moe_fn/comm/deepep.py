@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import DeepEPHandle, RoutePlan
-from .base import Pending, expand_received
+from .base import Pending, check_cached_tokens, expand_received
 from .tokens import TokenRowsExchange
 
 _HOW_TO_GET = (
@@ -39,11 +39,14 @@ def _buffer(deep_ep, group, hidden_bytes: int, configs):
     """One NVLink buffer per group, sized for the largest hidden size asked for so far."""
     ep = dist.get_world_size(group)
     need = max(c.get_nvl_buffer_size_hint(hidden_bytes, ep) for c in configs)
+    # Keyed by the group object, held here: a group created after another was destroyed
+    # (at the same address) gets its own buffer.
     key = id(group)
-    buf = _buffers.get(key)
+    entry = _buffers.get(key)
+    buf = entry[1] if entry is not None and entry[0] is group else None
     if buf is None or buf.num_nvl_bytes < need:
         buf = deep_ep.Buffer(group, num_nvl_bytes=need, num_rdma_bytes=0)
-        _buffers[key] = buf
+        _buffers[key] = (group, buf)
     return buf
 
 
@@ -90,6 +93,7 @@ class DeepEPExchange(TokenRowsExchange):
         x = x.contiguous()
         if cached:
             handle: DeepEPHandle = layout
+            check_cached_tokens(x, handle)
             self.counters["cached_dispatch"] += 1
             recv_x, *_ = self.buffer.dispatch(x, handle=handle.deepep_handle,
                                               config=self.dispatch_config)
@@ -101,13 +105,13 @@ class DeepEPExchange(TokenRowsExchange):
         else:
             plan, per_rank, per_expert, in_rank = layout
             self.counters["dispatch"] += 1
-            if weights is None:
-                weights = torch.ones(plan.topk_idx.shape, device=x.device)
+            # DeepEP's expansion needs weights: ones stand in when none are sent.
+            sent = (torch.ones(plan.topk_idx.shape, device=x.device) if weights is None
+                    else weights.detach().to(torch.float32))
             recv_x, recv_idx, recv_w, recv_counts, dh, _ = self.buffer.dispatch(
                 x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert, topk_idx=plan.topk_idx,
-                topk_weights=weights.detach().to(torch.float32).contiguous(),
-                config=self.dispatch_config)
+                topk_weights=sent.contiguous(), config=self.dispatch_config)
             token, slot, offs, n, row_of_slot = self._expand(recv_idx, recv_counts)
             handle = DeepEPHandle(plan=plan, deepep_handle=dh, token_of_row=token,
                                   slot_of_row=slot, num_recv_tokens=recv_x.shape[0],

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import PeerRowsHandle, RoutePlan
-from .base import AllToAllTransport, Exchange, Pending
+from .base import AllToAllTransport, Exchange, Pending, check_cached_tokens
 from .peer_memory import peer_memory, pull_partials, pull_rows, write_slot_sums
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
@@ -115,6 +115,8 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
                                rows.dtype)
 
     def dispatch_fwd(self, x, weights, handle: PeerRowsHandle, *, cached: bool = False):
+        if cached:
+            check_cached_tokens(x, handle)
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
         rows, row_w = self._to_experts(x, None if weights is None else weights.reshape(-1),
                                        handle)

@@ -25,6 +25,7 @@ from .base import (
     AllToAllTransport,
     Exchange,
     Pending,
+    check_cached_tokens,
     new_packed,
     pack_rows,
     unpack_rows,
@@ -147,6 +148,8 @@ class SortedRowsExchange(Exchange):
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
+        if cached:
+            check_cached_tokens(x, handle)
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
         # (T, k) weights are indexed by flattened (token, k) row.

@@ -19,6 +19,7 @@ from ..records import RoutePlan, TokenExchangeHandle
 from .base import (
     AllToAllTransport,
     Pending,
+    check_cached_tokens,
     expand_received,
     new_packed,
     pack_rows,
@@ -106,6 +107,8 @@ class TokenAllToAllExchange(AllToAllTransport, TokenRowsExchange):
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch_fwd(self, x, weights, handle: TokenExchangeHandle, *, cached: bool = False):
+        if cached:
+            check_cached_tokens(x, handle)
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
         # A replayed route's weights have the values the first dispatch delivered (as with
         # DeepEP's cached dispatch): only the tokens travel again.

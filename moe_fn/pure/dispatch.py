@@ -298,10 +298,12 @@ def masked_gather_sum(rows, table, weights=None):
         return rows.new_zeros((r, rows.shape[1]))
     present = table >= 0
     g = rows.index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k, rows.shape[1]).to(cd)
-    scale = present.to(cd)
+    # Absent slots read row 0 as a stand-in: zero it rather than scale it (inf * 0 is NaN).
+    g = torch.where(present[:, :, None], g, 0)
     if weights is not None:
-        scale = scale * weights.to(cd).index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k)
-    return (g * scale[:, :, None]).sum(dim=1).to(rows.dtype)
+        w = weights.to(cd).index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k)
+        g = g * torch.where(present, w, 0)[:, :, None]
+    return g.sum(dim=1).to(rows.dtype)
 
 
 def peer_gather(peers, src_rank, src_idx, row_div: int = 1):

@@ -329,3 +329,17 @@ def test_peer_gather_pairs_match_a_naive_loop():
     out = peer_partial_sum(peers, home_rank, 1, 3, 3, torch.float64)  # rank 1 of 3 tokens max
     torch.testing.assert_close(out[0], (peers[0][3] + peers[1][3]).double())
     torch.testing.assert_close(out[1], peers[1][4].double())
+
+
+def test_masked_gather_sum_leaves_absent_slots_out_even_beside_inf():
+    """Absent slots (-1) read row 0 as a stand-in; an inf there must not turn the other
+    tokens' sums into NaN (inf * 0)."""
+    from moe_fn.pure.dispatch import masked_gather_sum
+
+    rows = torch.tensor([[float("inf")], [1.0], [2.0]])
+    table = torch.tensor([[0, -1], [1, 2], [-1, 2]])
+    assert torch.equal(masked_gather_sum(rows, table), torch.tensor([[float("inf")], [3.0],
+                                                                      [2.0]]))
+    w = torch.tensor([0.5, 2.0, 3.0])
+    assert torch.equal(masked_gather_sum(rows, table, w),
+                       torch.tensor([[float("inf")], [8.0], [6.0]]))

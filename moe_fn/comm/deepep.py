@@ -120,8 +120,8 @@ class DeepEPExchange(TokenRowsExchange):
             row_w = recv_w[token, slot] if weights is not None else None
         if recv_x.shape[0] != handle.num_recv_tokens:
             raise RuntimeError(f"DeepEP returned {recv_x.shape[0]} rows but the handle expects "
-                               f"{handle.num_recv_tokens}: the route changed since the handle "
-                               "was made")
+                               f"{handle.num_recv_tokens}: a DeepEP build whose dispatch output "
+                               "differs from v1.2.1's (see the README on building DeepEP)")
         return recv_x.index_select(0, handle.token_of_row), row_w, handle
 
     def start_dispatch_bwd(self, handle, d_rows, d_row_weights):

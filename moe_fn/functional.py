@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._checks import FLOAT_DTYPES, check_offs, check_same, check_tensor
 from .autograd.experts import Experts, GroupedLinear, RowWeight, Swiglu, SwigluPacked
+from .autograd.slot import WeightGradSlot
 from .pure.activations import (
     _check_weights,
     check_swiglu_args,
@@ -129,6 +130,9 @@ def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_im
     layout_id = resolve_layout(layout)
     _check_experts_args(x, gate_up_proj, down_proj, weights, gate_up_bias, down_bias)
     check_offs(offs, x.shape[0], gate_up_proj.shape[0], x.device)
+    if weight_grad_slot is not None and not isinstance(weight_grad_slot, WeightGradSlot):
+        raise TypeError(f"weight_grad_slot must be a moe_fn.autograd.slot.WeightGradSlot or "
+                        f"None, got {type(weight_grad_slot).__name__}")
     return Experts.apply(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
                          act_id, alpha, limit, layout_id, gate_up_impl == "fused",
                          weight_grad_slot)

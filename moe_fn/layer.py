@@ -171,6 +171,55 @@ class MoELayer(nn.Module):
             y = self._weight_rows(y, row_w)
         return y
 
+    def router_input_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the router's linear gets its input in: ``x``'s here (subclasses, such as
+        the Hugging Face conversion's, may cast it, e.g. to a float32 router)."""
+        return x_dtype
+
+    def _check_parameters(self, x) -> None:
+        """The parameters against the config and ``x`` (a module's parameters can be
+        replaced or moved piecemeal): shapes, one dtype, one device. The common case is a
+        few identity and tuple comparisons (host time on every call); the messages come
+        from ``_explain_parameters``."""
+        c = self.config
+        w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
+        dt, dev = x.dtype, x.device
+        b = self.router.bias
+        if (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
+                and gu.device == dev and dn.device == dev and w.device == dev
+                and w.shape == (c.num_experts, c.hidden_size)
+                and gu.shape == (c.num_local_experts, 2 * c.intermediate_size, c.hidden_size)
+                and dn.shape == (c.num_local_experts, c.hidden_size, c.intermediate_size)
+                and (b is None or (b.dtype == w.dtype and b.device == dev))):
+            return
+        self._explain_parameters(x)
+
+    def _explain_parameters(self, x) -> None:
+        c = self.config
+        w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
+        want = {"router.weight": (c.num_experts, c.hidden_size),
+                "experts.gate_up_proj": (c.num_local_experts, 2 * c.intermediate_size,
+                                         c.hidden_size),
+                "experts.down_proj": (c.num_local_experts, c.hidden_size,
+                                      c.intermediate_size)}
+        for (name, shape), p in zip(want.items(), (w, gu, dn)):
+            if tuple(p.shape) != shape:
+                raise ValueError(f"{name} must be {shape} for this config, got "
+                                 f"{tuple(p.shape)}")
+        router_in = self.router_input_dtype(x.dtype)
+        for name, p, dtype in (("router.weight", w, router_in),
+                               ("router.bias", self.router.bias, router_in),
+                               ("experts.gate_up_proj", gu, x.dtype),
+                               ("experts.down_proj", dn, x.dtype)):
+            if p is None:
+                continue
+            if p.dtype != dtype:
+                raise TypeError(f"x has dtype {x.dtype} but {name} is {p.dtype}: keep the "
+                                "layer in one dtype (layer.to(dtype)) and cast x to it")
+            if p.device != x.device:
+                raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
+                                 "or the layer (layer.to(device))")
+
     def _check_capturable(self, region) -> None:
         # A captured graph replays kernels only: the host-side work these paths do per
         # call (split sizes read back, replay entries recorded and consumed) would run
@@ -281,12 +330,13 @@ class MoELayer(nn.Module):
         c = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.shape[-1] != c.hidden_size:
-            raise ValueError(f"x must end in hidden_size={c.hidden_size}, got shape "
+        if not isinstance(return_router_logits, bool):
+            raise TypeError(f"return_router_logits must be a bool, got "
+                            f"{type(return_router_logits).__name__}")
+        if x.dim() == 0 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
-        if x.dtype != self.experts.gate_up_proj.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are "
-                            f"{self.experts.gate_up_proj.dtype}: cast one to the other")
+        self._check_parameters(x)
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()

@@ -142,9 +142,18 @@ def _in_new_region(fn, *, reentrant: bool):
     return run
 
 
+def _check_reentrant(use_reentrant) -> None:
+    # Replay, the skip and kept layers act on the mode: a value torch would reinterpret
+    # (None means True there) must not be read differently here.
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}")
+
+
 def wrap_checkpoint(checkpoint_fn, *, use_reentrant: bool):
     """Wrap a checkpoint function (``checkpoint_fn(fn, *args, **kw)``) so that each call gets
     a ReplayRegion. ``use_reentrant`` must say what ``checkpoint_fn`` does."""
+
+    _check_reentrant(use_reentrant)
 
     @functools.wraps(checkpoint_fn)
     def wrapped(fn, *args, **kwargs):
@@ -159,5 +168,9 @@ def checkpoint(fn, *args, use_reentrant: bool = True, **kwargs):
     with the same arguments (reentrant by default), plus replay of every MoELayer's route and
     dispatch layout in the recompute, and — with ``skip_recompute_combine`` and a reentrant
     checkpoint — no forward combine in the recompute (see the README's contract)."""
+    _check_reentrant(use_reentrant)
+    if not callable(fn):
+        raise TypeError(f"checkpoint's first argument must be the function to run, got "
+                        f"{type(fn).__name__}")
     return torch_checkpoint.checkpoint(_in_new_region(fn, reentrant=use_reentrant), *args,
                                        use_reentrant=use_reentrant, **kwargs)

@@ -146,8 +146,34 @@ def test_bad_input_errors():
         layer(torch.randn(3, 7))
     with pytest.raises(TypeError, match="dtype"):
         layer(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., hidden_size=8\)"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="return_router_logits must be a bool"):
+        layer(torch.randn(3, 8), return_router_logits="no")
+    with pytest.raises(ValueError, match="x is on meta but router.weight is on cpu"):
+        layer(torch.randn(3, 8, device="meta"))
     with pytest.raises(RuntimeError, match="init_process_group"):
         MoELayer(_cfg(comm_backend="all_to_all", ep_size=2))
+
+
+def test_parameters_changed_behind_the_config_are_refused():
+    """Parameters replaced or cast piecemeal after the layer was built are caught at the
+    call, not inside a GEMM or (worse) accepted with a wrong route."""
+    x = torch.randn(3, 8)
+    layer = MoELayer(_cfg())
+    layer.router.weight = torch.nn.Parameter(torch.randn(3, 8))  # one expert short
+    with pytest.raises(ValueError, match=r"router.weight must be \(4, 8\)"):
+        layer(x)
+    layer = MoELayer(_cfg())
+    layer.experts.down_proj = torch.nn.Parameter(torch.randn(3, 8, 4))
+    with pytest.raises(ValueError, match="experts.down_proj must be"):
+        layer(x)
+    layer = MoELayer(_cfg())
+    layer.router.float()  # the rest stays float32 too: fine
+    layer(x)
+    layer.router.double()
+    with pytest.raises(TypeError, match="router.weight is torch.float64.*layer.to"):
+        layer(x)
 
 
 # ---- expert parallelism over gloo ---------------------------------------------------------

@@ -219,6 +219,19 @@ def test_skip_with_output_written_in_place_raises():
         out.sum().backward()
 
 
+def test_checkpoint_mode_must_be_a_bool():
+    """torch reads use_reentrant=None as True; replay, the skip and kept layers would read
+    it as False: refused rather than read two ways."""
+    b = make_model(_cfg(1))[0]
+    x = torch.randn(6, H, requires_grad=True)
+    with pytest.raises(TypeError, match="use_reentrant must be True or False"):
+        moe_fn.checkpoint(b, x, use_reentrant=None)
+    with pytest.raises(TypeError, match="use_reentrant must be True or False"):
+        moe_fn.replay.wrap_checkpoint(torch.utils.checkpoint.checkpoint, use_reentrant=None)
+    with pytest.raises(TypeError, match="first argument must be the function"):
+        moe_fn.checkpoint(x, x)
+
+
 def test_replay_entries_are_consumed_once():
     cfg = _cfg(1)
     model = make_model(cfg)

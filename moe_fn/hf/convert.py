@@ -140,12 +140,15 @@ class HFMoELayer(MoELayer):
 
     router_dtype: str | None = None
 
-    def route(self, x2: torch.Tensor, *args, **kwargs):
+    def router_input_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         if self.router_dtype == "float32":
-            x2 = x2.float()
-        elif self.router_dtype == "weight":
-            x2 = x2.to(self.router.weight.dtype)
-        return super().route(x2, *args, **kwargs)
+            return torch.float32
+        if self.router_dtype == "weight":
+            return self.router.weight.dtype
+        return x_dtype
+
+    def route(self, x2: torch.Tensor, *args, **kwargs):
+        return super().route(x2.to(self.router_input_dtype(x2.dtype)), *args, **kwargs)
 
 
 class _RecordingRouter:
@@ -319,7 +322,11 @@ def _find_blocks(model, block_cls, pattern) -> list[tuple[str, nn.Module]]:
         if not blocks:
             raise ValueError(f"the model has no {block_cls.__name__} module to convert")
         return blocks
-    rx = re.compile(pattern)
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"moe_layer_pattern {pattern!r} is not a valid regular expression: "
+                         f"{e}") from None
     chosen = [(n, m) for n, m in blocks if rx.fullmatch(n)]
     if not chosen:
         names = [n for n, _ in blocks]
@@ -378,6 +385,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     routing weight also scales the experts' down bias), or ``skip_recompute_combine`` with
     a custom pattern; NotImplementedError for a preset marked unsupported.
     """
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers model (an nn.Module with a config), "
+                        f"got {type(model).__name__}")
     p = resolve_preset(model, preset)
     if p.unsupported:
         raise NotImplementedError(p.unsupported)

@@ -227,6 +227,7 @@ BAD = {
     "weights 2-d": (_ex(weights=torch.rand(5, 1)), ValueError, "weights must have 1"),
     "unknown activation": (_ex(activation="relu"), ValueError, "activation must be one of"),
     "unused alpha": (_ex(alpha=1.0), ValueError, "alpha is only used"),
+    "slot type": (_ex(weight_grad_slot=123), TypeError, "weight_grad_slot must be"),
     "unknown layout": (_ex(layout="packed"), ValueError, "layout must be one of"),
     "unknown impl": (_ex(gate_up_impl="fast"), ValueError, "gate_up_impl must be one of"),
     "gate_up_bias shape": (_ex(gate_up_bias=torch.randn(3, 3)), ValueError,

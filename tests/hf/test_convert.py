@@ -259,6 +259,10 @@ def test_bad_patterns_and_options():
         convert(m, score_apply="pre")
     with pytest.raises(ValueError, match="ep_size must be a positive int"):
         convert(m, ep_size=0)
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        convert(m, moe_layer_pattern="((")
+    with pytest.raises(TypeError, match="model must be a transformers model"):
+        convert(None)
     assert not converted_blocks(m)  # nothing half-converted by a refused call
     convert(m, skip_recompute_combine=True)  # a preset's own blocks may skip
     with pytest.raises(ValueError, match="already converted"):

@@ -115,10 +115,9 @@ class SymmetricPeerMemory:
         # A peer's offset does not depend on where in the buffer a region starts.
         d = self._offsets.get(es)
         if d is None:
-            if any(b % es for b in self._bytes):
-                raise RuntimeError(f"symmetric buffers {self._bytes} bytes apart")
-            d = self._offsets[es] = torch.tensor([b // es for b in self._bytes],
-                                                 dtype=torch.int64, device=self.device)
+            from ..kernels.peer import element_offsets
+
+            d = self._offsets[es] = element_offsets(self._bytes, es, self.device)
         return d
 
     def _regions(self, width: int, dtype, max_rows: int, vdtype, max_values: int, *,
@@ -229,14 +228,13 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, rows: bool = True,
-              token_slots=None):
-    """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (unless ``rows`` is
-    False) and ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
+def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slots=None):
+    """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (given rows) and
+    ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
     ``(out or None, vout or None)``, on the whole GPU. ``token_slots``
     (``PeerRowsHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
     kernel then reads each token row once however many rows copy it."""
-    peers = view.rows if rows else None
+    peers = view.rows
     ref = peers[view.rank] if peers is not None else view.values[view.rank]
     if use_triton(ref) and not torch.compiler.is_compiling():
         from ..kernels import peer

@@ -31,7 +31,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class PeerRowsExchange(AllToAllTransport, Exchange):
-    """One row per (token, expert), moved by pulls from peer memory (see the module)."""
+    """Expert rows, one per (token, expert), moved by pulls from peer memory: tokens read
+    once per rank on the way to the experts, per-token partial sums on the way home (see
+    the module)."""
 
     # The expert side sums each token's rows before the token's home reads them; routing
     # weights enter those float32 sums (``combine_row_weighted_fwd``), delivered with the

@@ -176,6 +176,16 @@ def _pull_partials_kernel(ref, rows_delta, vref, vals_delta, rank_ptr, vpos_ptr,
                 tl.store(vout_ptr + t * K + j, tl.load(vref + vd + p, mask=mt), mask=mt)
 
 
+def element_offsets(byte_offsets, element_size: int, device) -> torch.Tensor:
+    """Byte offsets between peer tensors as element offsets (an int64 tensor on ``device``,
+    what the kernels add to their reads)."""
+    if any(b % element_size for b in byte_offsets):
+        raise ValueError(f"peer tensors must lie a whole number of elements apart, got byte "
+                         f"offsets {list(byte_offsets)}")
+    return torch.tensor([b // element_size for b in byte_offsets], dtype=torch.int64,
+                        device=device)
+
+
 def deltas(peers, rank: int) -> torch.Tensor:
     """Element offsets of every peer tensor from ``peers[rank]`` as an int64 tensor on its
     device, cached by the tensors' addresses (the exposed regions stay where they are)."""
@@ -183,12 +193,8 @@ def deltas(peers, rank: int) -> torch.Tensor:
     key = (ref.device, ref.dtype, tuple(p.data_ptr() for p in peers), rank)
     d = _DELTAS.get(key)
     if d is None:
-        es = ref.element_size()
-        diffs = [p.data_ptr() - ref.data_ptr() for p in peers]
-        if any(x % es for x in diffs):
-            raise ValueError(f"peer tensors must lie a whole number of elements apart, got "
-                             f"byte offsets {diffs}")
-        d = torch.tensor([x // es for x in diffs], dtype=torch.int64, device=ref.device)
+        d = element_offsets([p.data_ptr() - ref.data_ptr() for p in peers],
+                            ref.element_size(), ref.device)
         if len(_DELTAS) > 64:
             _DELTAS.clear()
         _DELTAS[key] = d

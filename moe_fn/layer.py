@@ -176,41 +176,38 @@ class MoELayer(nn.Module):
         the Hugging Face conversion's, may cast it, e.g. to a float32 router)."""
         return x_dtype
 
+    _PARAMS = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
+
+    def _param_shapes(self) -> tuple:
+        """The shapes of ``_PARAMS`` this config needs."""
+        c = self.config
+        return ((c.num_experts, c.hidden_size),
+                (c.num_local_experts, 2 * c.intermediate_size, c.hidden_size),
+                (c.num_local_experts, c.hidden_size, c.intermediate_size))
+
     def _check_parameters(self, x) -> None:
         """The parameters against the config and ``x`` (a module's parameters can be
         replaced or moved piecemeal): shapes, one dtype, one device. The common case is a
-        few identity and tuple comparisons (host time on every call); the messages come
-        from ``_explain_parameters``."""
-        c = self.config
+        few comparisons (host time on every call); ``_explain_parameters`` says what
+        differs."""
         w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
-        dt, dev = x.dtype, x.device
         b = self.router.bias
+        dt, dev = x.dtype, x.device
         if (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
                 and gu.device == dev and dn.device == dev and w.device == dev
-                and w.shape == (c.num_experts, c.hidden_size)
-                and gu.shape == (c.num_local_experts, 2 * c.intermediate_size, c.hidden_size)
-                and dn.shape == (c.num_local_experts, c.hidden_size, c.intermediate_size)
+                and (w.shape, gu.shape, dn.shape) == self._param_shapes()
                 and (b is None or (b.dtype == w.dtype and b.device == dev))):
             return
-        self._explain_parameters(x)
+        self._explain_parameters(x, (w, gu, dn), b)
 
-    def _explain_parameters(self, x) -> None:
-        c = self.config
-        w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
-        want = {"router.weight": (c.num_experts, c.hidden_size),
-                "experts.gate_up_proj": (c.num_local_experts, 2 * c.intermediate_size,
-                                         c.hidden_size),
-                "experts.down_proj": (c.num_local_experts, c.hidden_size,
-                                      c.intermediate_size)}
-        for (name, shape), p in zip(want.items(), (w, gu, dn)):
+    def _explain_parameters(self, x, params, bias) -> None:
+        for name, p, shape in zip(self._PARAMS, params, self._param_shapes()):
             if tuple(p.shape) != shape:
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(p.shape)}")
         router_in = self.router_input_dtype(x.dtype)
-        for name, p, dtype in (("router.weight", w, router_in),
-                               ("router.bias", self.router.bias, router_in),
-                               ("experts.gate_up_proj", gu, x.dtype),
-                               ("experts.down_proj", dn, x.dtype)):
+        for name, p, dtype in zip((*self._PARAMS, "router.bias"), (*params, bias),
+                                  (router_in, x.dtype, x.dtype, router_in)):
             if p is None:
                 continue
             if p.dtype != dtype:

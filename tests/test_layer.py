@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.comm import base
 from tests.dist_utils import run_distributed
 
 
@@ -304,12 +305,15 @@ def _count_collectives(world, dedup, dtype):
                     all_to_all_dedup=dedup)
     layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
-    real = dist.all_to_all_single
+    real, real_gather = dist.all_to_all_single, base._all_gather
 
-    def counting(*a, **kw):
-        calls.append(a[0].shape)
-        return real(*a, **kw)
-    dist.all_to_all_single = counting
+    def counting(real):
+        def call(*a, **kw):
+            calls.append(a[0].shape)
+            return real(*a, **kw)
+        return call
+    dist.all_to_all_single = counting(real)
+    base._all_gather = counting(real_gather)
     try:
         x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
         out = layer(x)
@@ -317,7 +321,7 @@ def _count_collectives(world, dedup, dtype):
         out.float().sum().backward()
         backward = len(calls) - forward
     finally:
-        dist.all_to_all_single = real
+        dist.all_to_all_single, base._all_gather = real, real_gather
     # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
     # rows with their routing weights packed in, the combine; backward: the output gradient
     # out, the row gradients with the weight gradients packed in back (sent apart, the

@@ -147,6 +147,10 @@ class Exchange:
         return self.rank * self.num_local_experts
 
 
+# torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class AllToAllTransport:
     """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on
     CPUs): the transport of both all_to_all exchanges (rows, and tokens once)."""
@@ -159,6 +163,13 @@ class AllToAllTransport:
             raise RuntimeError("comm_backend='all_to_all' needs torch.distributed initialised "
                                "(dist.init_process_group) before the layer is built")
         return dist.get_world_size(group), dist.get_rank(group)
+
+    def _gather_counts(self, plan) -> torch.Tensor:
+        """``(ep, E)``: every rank's per-expert row counts (``plan.counts``), one collective
+        without a host sync."""
+        c = plan.counts.new_empty(self.ep_size * plan.counts.numel())
+        _all_gather(c, plan.counts.contiguous(), group=self.group)
+        return c.view(self.ep_size, -1)
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
         rows = rows.contiguous()

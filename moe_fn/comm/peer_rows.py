@@ -26,9 +26,6 @@ from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending, check_cached_tokens
 from .peer_memory import peer_memory, pull_partials, pull_rows, write_slot_sums
 
-# torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class PeerRowsExchange(AllToAllTransport, Exchange):
     """Expert rows, one per (token, expert), moved by pulls from peer memory: tokens read
@@ -63,9 +60,7 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     def layout(self, plan: RoutePlan) -> PeerRowsHandle:
         self.counters["layout"] += 1
         ep, me, k = self.ep_size, self.rank, plan.top_k
-        c = plan.counts.new_empty(ep * self.num_experts)
-        _all_gather(c, plan.counts.contiguous(), group=self.group)
-        c = c.view(ep, -1)  # (ep, E): rows each rank sends to each expert
+        c = self._gather_counts(plan)  # (ep, E): rows each rank sends to each expert
         home = kernels.peer_home_side(c, plan.offs, plan.counts, plan.topk_idx, plan.inv_perm,
                                       me, k)
         # One host sync: the index exchange's split sizes and the exposed sizes.

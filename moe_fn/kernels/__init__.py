@@ -37,6 +37,8 @@ __all__ = [
     "layout",
     "peer_home_side",
     "peer_receiver_side",
+    "rows_home_side",
+    "rows_receiver_side",
     "layout_with_tokens",
     "weighted_gather_sum_bwd",
     "weighted_gather_sum_fwd",
@@ -213,6 +215,26 @@ def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int, tab
         return _pure_peer_layout.peer_receiver_side(c, recv_flat, rank, top_k, max_tokens)
     from .peer_layout import launch_peer_receiver_side
     return launch_peer_receiver_side(c, recv_flat, rank, top_k, max_tokens, tables)
+
+
+def rows_home_side(c, offs, counts, perm, token_of_sorted, rank: int, top_k: int):
+    """``moe_fn.pure.peer_layout.rows_home_side`` (same outputs) in two Triton launches for
+    CUDA counts in eager mode, the pure function elsewhere."""
+    if not _use_layout_kernel(c):
+        return _pure_peer_layout.rows_home_side(c, offs, counts, perm, token_of_sorted, rank,
+                                                top_k)
+    from .peer_layout import launch_rows_home_side
+    return launch_rows_home_side(c, offs, counts, perm, token_of_sorted, rank, top_k)
+
+
+def rows_receiver_side(c, num_rows: int, rank: int, recv_start: int, own_rows: int,
+                       tables=None):
+    """``moe_fn.pure.peer_layout.rows_receiver_side``; one Triton launch given the
+    ``tables`` of the kernels' ``rows_home_side``."""
+    if tables is None or not _use_layout_kernel(c):
+        return _pure_peer_layout.rows_receiver_side(c, num_rows, rank, recv_start, own_rows)
+    from .peer_layout import launch_rows_receiver_side
+    return launch_rows_receiver_side(c, num_rows, rank, recv_start, own_rows, tables)
 
 
 def gather_row_weight_bwd(src, index, rows, weights):

@@ -1,7 +1,9 @@
-"""The index math of the ``symm_mem`` transport's layout (``moe_fn.comm.peer_rows``), in two
-halves around its one host sync; ``moe_fn.kernels.peer_layout`` computes the same in three
-Triton launches (this index math is dozens of small torch ops, each tens of microseconds of
-host time, while the GPU waits for the host after the sync).
+"""The index math of the exchanges' layouts that start from every rank's per-expert counts:
+the ``symm_mem`` transport (``moe_fn.comm.peer_rows``) and the collective row all_to_all
+(``moe_fn.comm.sorted_rows``), each in two halves around its one host sync;
+``moe_fn.kernels.peer_layout`` computes the same in three Triton launches (this index math
+is dozens of small torch ops, each tens of microseconds of host time, while the GPU waits
+for the host after the sync).
 
 ``c (ep, E)``: every rank's per-expert row counts (the gathered ``plan.counts``); rank ``o``
 owns experts ``[o*el, (o+1)*el)``. Each owner's expert-major rows are ordered by local
@@ -64,9 +66,7 @@ def peer_home_side(c, offs, counts, topk_idx, inv_perm, rank: int, top_k: int) -
     ep, e = c.shape
     el = e // ep
     me = rank
-    by_rank = c.reshape(ep, ep, el)  # [source, owner, local expert]
-    sizes = torch.cat([by_rank[:, me].sum(1), by_rank[me].sum(1),
-                       (c.sum(1) // top_k).max()[None], by_rank.sum((0, 2)).max()[None]])
+    sizes, local_offs = _sizes(c, me, top_k)
     # Row (t, j) at sorted position p of expert e lands on e's owner at (start of block
     # (e, this rank) there) + (p - start of e in this rank's order).
     tot = c.sum(0).reshape(ep, el)
@@ -74,8 +74,17 @@ def peer_home_side(c, offs, counts, topk_idx, inv_perm, rank: int, top_k: int) -
     base = exp_start + c[:me].sum(0) - (offs.long() - counts)
     experts = topk_idx.flatten()
     return PeerHomeSide(sizes, (experts // el).to(torch.int32),
-                        base.index_select(0, experts) + inv_perm,
-                        torch.cumsum(tot[me], 0).to(torch.int32))
+                        base.index_select(0, experts) + inv_perm, local_offs)
+
+
+def _sizes(c, me: int, top_k: int):
+    """``(sizes, local_offs)`` as ``PeerHomeSide`` holds them."""
+    ep, e = c.shape
+    el = e // ep
+    by_rank = c.reshape(ep, ep, el)  # [source, owner, local expert]
+    sizes = torch.cat([by_rank[:, me].sum(1), by_rank[me].sum(1),
+                       (c.sum(1) // top_k).max()[None], by_rank.sum((0, 2)).max()[None]])
+    return sizes, torch.cumsum(by_rank[:, me].sum(0), 0).to(torch.int32)
 
 
 def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int
@@ -94,3 +103,71 @@ def peer_receiver_side(c, recv_flat, rank: int, top_k: int, max_tokens: int
     slots = torch.full((ep * max_tokens * top_k,), -1, dtype=torch.int32, device=dev)
     slots[s * (max_tokens * top_k) + src_flat] = torch.arange(n, dtype=torch.int32, device=dev)
     return PeerReceiverSide(s.to(torch.int32), src_flat, slots)
+
+
+# ---- the collective row all_to_all (moe_fn.comm.sorted_rows) ---------------------------------
+# It sends this rank's sorted rows for other owners in sorted order (its own slice [a, b)
+# stays), and receives in (source, local expert) order into [rows from other sources; its
+# own rows].
+
+
+class RowsHomeSide(NamedTuple):
+    """The row all_to_all's layout before its host sync: ``sizes`` and ``local_offs`` as
+    ``PeerHomeSide``'s; for the T*k sorted rows in home-buffer order (rows sent, in sorted
+    order, then this rank's own), ``buffer_tokens`` their tokens and ``buffer_flat`` their
+    flattened (token, k) indices; ``home_order`` (T*k,): each flattened row's position in
+    that order. ``tables``: what the kernels pass to the receiving half (None from the pure
+    function)."""
+
+    sizes: torch.Tensor
+    local_offs: torch.Tensor
+    home_order: torch.Tensor
+    buffer_tokens: torch.Tensor
+    buffer_flat: torch.Tensor
+    tables: torch.Tensor | None = None
+
+
+def own_slice(offs, rank: int, num_local: int):
+    """``(a, b)``: the bounds of this rank's own experts' rows in its sorted order, as
+    0-dim device tensors (read on the host they would sync)."""
+    zero = offs.new_zeros(())
+    a = offs[rank * num_local - 1] if rank else zero
+    return a.long(), offs[(rank + 1) * num_local - 1].long()
+
+
+def buffer_position(p, a, own, n):
+    """Position ``p`` of an order of ``n`` rows where ``[a, a + own)`` moves to the tail."""
+    return torch.where(p < a, p, torch.where(p >= a + own, p - own, n - own + p - a))
+
+
+def rows_home_side(c, offs, counts, perm, token_of_sorted, rank: int, top_k: int
+                   ) -> RowsHomeSide:
+    """The half before the host sync, from ``c`` and this rank's route (``plan.offs``,
+    ``plan.counts``, ``plan.perm``, ``plan.token_of_sorted``)."""
+    ep, e = c.shape
+    sizes, local_offs = _sizes(c, rank, top_k)
+    a, b = own_slice(offs, rank, e // ep)
+    n = perm.numel()
+    q = buffer_position(torch.arange(n, device=perm.device), a, b - a, n)
+    buffer_tokens = torch.empty_like(token_of_sorted)
+    buffer_tokens[q] = token_of_sorted
+    buffer_flat = torch.empty_like(perm)
+    buffer_flat[q] = perm
+    home_order = torch.empty_like(perm)
+    home_order[perm] = q
+    return RowsHomeSide(sizes, local_offs, home_order, buffer_tokens, buffer_flat)
+
+
+def rows_receiver_side(c, num_rows: int, rank: int, recv_start: int, own_rows: int):
+    """The half after it: ``(expert_src, dst)``, both (num_rows,) int64. ``expert_src[p]``:
+    the receive-buffer position of expert-major row p; ``dst``: its inverse (the
+    expert-major position of each buffer row). ``recv_start`` / ``own_rows``: where this
+    rank's own rows would arrive in (source, expert) order and how many, host ints from the
+    sync."""
+    ep, e = c.shape
+    el = e // ep
+    arrival, _ = expert_major_sources(c[:, rank * el:(rank + 1) * el], num_rows)
+    expert_src = buffer_position(arrival, recv_start, own_rows, num_rows)
+    dst = torch.empty_like(expert_src)
+    dst[expert_src] = torch.arange(num_rows, device=c.device)
+    return expert_src, dst

@@ -1,17 +1,27 @@
-"""The symm_mem layout's Triton kernels against the pure index math, bit for bit, for every
-rank of random routes (on the GPU where there is one, else in the Triton interpreter): ranks
-without tokens, experts without rows, top_k 1, a token routed twice to one expert, E not a
-power of two. The pure math itself is checked against a brute-force oracle by
-tests/test_peer_rows.py."""
+"""The symm_mem and row all_to_all layouts' Triton kernels against the pure index math, bit
+for bit, for every rank of random routes (on the GPU where there is one, else in the Triton
+interpreter): ranks without tokens, experts without rows, top_k 1, a token routed twice to
+one expert, E not a power of two. The pure math itself is checked against a brute-force
+oracle by tests/test_peer_rows.py (symm_mem) and below (row all_to_all)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_fn.kernels.peer_layout import launch_peer_home_side, launch_peer_receiver_side
+from moe_fn.kernels.peer_layout import (
+    launch_peer_home_side,
+    launch_peer_receiver_side,
+    launch_rows_home_side,
+    launch_rows_receiver_side,
+)
 from moe_fn.layer import make_route_plan
-from moe_fn.pure.peer_layout import peer_home_side, peer_receiver_side
+from moe_fn.pure.peer_layout import (
+    peer_home_side,
+    peer_receiver_side,
+    rows_home_side,
+    rows_receiver_side,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,3 +59,54 @@ def test_kernels_match_the_pure_layout_on_every_rank(ep, e, k, seed):
         for name in ("src_rank", "src_flat", "token_slots"):
             a, b = getattr(want_r, name), getattr(got_r, name)
             assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+
+
+def _rows_oracle(plans, rank, el):
+    """The row all_to_all's layout by brute force: lists of (source, flattened row) keys."""
+    mine = range(rank * el, (rank + 1) * el)
+    me = plans[rank]
+    sorted_rows = me.perm.tolist()
+    experts = me.topk_idx.flatten().tolist()
+    sent = [f for f in sorted_rows if experts[f] not in mine]
+    own = [f for f in sorted_rows if experts[f] in mine]
+    buffer_flat = sent + own  # what leaves, in sorted order, then what stays
+    # Arrival: each source's sorted rows for my experts, sources in order; own rows go to
+    # the receive buffer's tail.
+    arrival = [(s, f) for s, p in enumerate(plans)
+               for f in p.perm.tolist() if int(p.topk_idx.flatten()[f]) in mine]
+    buffer = [key for key in arrival if key[0] != rank] + [key for key in arrival
+                                                           if key[0] == rank]
+    # Expert-major: by local expert, then source, then the source's sorted order.
+    expert_major = sorted(arrival, key=lambda key: (int(plans[key[0]].topk_idx.flatten()[
+        key[1]]), key[0]))
+    return buffer_flat, buffer, expert_major
+
+
+@pytest.mark.parametrize("ep,e,k", [(1, 4, 2), (2, 8, 3), (2, 6, 1), (3, 12, 4), (4, 8, 8),
+                                    (2, 128, 8), (4, 60, 6)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_row_all_to_all_layout_kernels_match_pure_and_oracle(ep, e, k, seed):
+    plans = _plans(ep, e, k, seed)
+    c = torch.stack([p.counts for p in plans])
+    el = e // ep
+    for rank, plan in enumerate(plans):
+        args = (c, plan.offs, plan.counts, plan.perm, plan.token_of_sorted, rank, k)
+        want = rows_home_side(*args)
+        got = launch_rows_home_side(*args)
+        for name in ("sizes", "local_offs", "home_order", "buffer_tokens", "buffer_flat"):
+            a, b = getattr(want, name), getattr(got, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+        sizes = want.sizes.tolist()
+        recv, send = sizes[:ep], sizes[ep:2 * ep]
+        n = sum(recv)
+        want_r = rows_receiver_side(c, n, rank, sum(recv[:rank]), send[rank])
+        got_r = launch_rows_receiver_side(c, n, rank, sum(recv[:rank]), send[rank], got.tables)
+        for a, b in zip(want_r, got_r):
+            assert a.dtype == b.dtype and torch.equal(a, b), (rank, a, b)
+        buffer_flat, buffer, expert_major = _rows_oracle(plans, rank, el)
+        assert want.buffer_flat.tolist() == buffer_flat
+        assert want.buffer_tokens.tolist() == [f // k for f in buffer_flat]
+        assert all(buffer_flat[q] == f for f, q in enumerate(want.home_order.tolist()))
+        expert_src, dst = want_r
+        assert [buffer[q] for q in expert_src.tolist()] == expert_major
+        assert [expert_major[p] for p in dst.tolist()] == buffer

@@ -143,7 +143,8 @@ def buffer_position(p, a, own, n):
 def rows_home_side(c, offs, counts, perm, token_of_sorted, rank: int, top_k: int
                    ) -> RowsHomeSide:
     """The half before the host sync, from ``c`` and this rank's route (``plan.offs``,
-    ``plan.counts``, ``plan.perm``, ``plan.token_of_sorted``)."""
+    ``plan.counts``, ``plan.perm``, ``plan.token_of_sorted``; ``counts`` only feeds the
+    kernels' tables launch, which the ``symm_mem`` layout shares)."""
     ep, e = c.shape
     sizes, local_offs = _sizes(c, rank, top_k)
     a, b = own_slice(offs, rank, e // ep)

@@ -35,6 +35,13 @@ def _plans(ep, e, k, seed):
                             .to(DEV), e) for t in tokens]
 
 
+def _assert_same(want, got, fields, rank):
+    """Each field (a name, or an index into a tuple) equal in dtype and bit for bit."""
+    for f in fields:
+        a, b = (want[f], got[f]) if isinstance(f, int) else (getattr(want, f), getattr(got, f))
+        assert a.dtype == b.dtype and torch.equal(a, b), (f, rank, a, b)
+
+
 @pytest.mark.parametrize("ep,e,k", [(1, 4, 2), (2, 8, 3), (2, 6, 1), (3, 12, 4), (4, 8, 8),
                                     (2, 128, 8), (4, 60, 6), (8, 64, 8)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -46,9 +53,7 @@ def test_kernels_match_the_pure_layout_on_every_rank(ep, e, k, seed):
         args = (c, plan.offs, plan.counts, plan.topk_idx, plan.inv_perm, rank, k)
         want = peer_home_side(*args)
         got = launch_peer_home_side(*args)
-        for name in ("sizes", "home_rank", "home_pos", "local_offs"):
-            a, b = getattr(want, name), getattr(got, name)
-            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+        _assert_same(want, got, ("sizes", "home_rank", "home_pos", "local_offs"), rank)
         # What the index all_to_all delivers: each source's sorted rows for this rank's
         # experts, in source order.
         recv_flat = torch.cat([p.perm[int(p.offs[rank * el] - p.counts[rank * el]):
@@ -56,9 +61,7 @@ def test_kernels_match_the_pure_layout_on_every_rank(ep, e, k, seed):
         max_tokens = int(want.sizes[2 * ep])
         want_r = peer_receiver_side(c, recv_flat, rank, k, max_tokens)
         got_r = launch_peer_receiver_side(c, recv_flat, rank, k, max_tokens, got.tables)
-        for name in ("src_rank", "src_flat", "token_slots"):
-            a, b = getattr(want_r, name), getattr(got_r, name)
-            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+        _assert_same(want_r, got_r, ("src_rank", "src_flat", "token_slots"), rank)
 
 
 def _rows_oracle(plans, rank, el):
@@ -93,16 +96,14 @@ def test_row_all_to_all_layout_kernels_match_pure_and_oracle(ep, e, k, seed):
         args = (c, plan.offs, plan.counts, plan.perm, plan.token_of_sorted, rank, k)
         want = rows_home_side(*args)
         got = launch_rows_home_side(*args)
-        for name in ("sizes", "local_offs", "home_order", "buffer_tokens", "buffer_flat"):
-            a, b = getattr(want, name), getattr(got, name)
-            assert a.dtype == b.dtype and torch.equal(a, b), (name, rank, a, b)
+        _assert_same(want, got, ("sizes", "local_offs", "home_order", "buffer_tokens",
+                                 "buffer_flat"), rank)
         sizes = want.sizes.tolist()
         recv, send = sizes[:ep], sizes[ep:2 * ep]
         n = sum(recv)
         want_r = rows_receiver_side(c, n, rank, sum(recv[:rank]), send[rank])
         got_r = launch_rows_receiver_side(c, n, rank, sum(recv[:rank]), send[rank], got.tables)
-        for a, b in zip(want_r, got_r):
-            assert a.dtype == b.dtype and torch.equal(a, b), (rank, a, b)
+        _assert_same(want_r, got_r, (0, 1), rank)
         buffer_flat, buffer, expert_major = _rows_oracle(plans, rank, el)
         assert want.buffer_flat.tolist() == buffer_flat
         assert want.buffer_tokens.tolist() == [f // k for f in buffer_flat]

@@ -153,7 +153,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class AllToAllTransport:
     """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on
-    CPUs): the transport of both all_to_all exchanges (rows, and tokens once)."""
+    CPUs): the transport of both all_to_all exchanges (rows, and tokens once); the row
+    exchanges (collective and ``symm_mem``) also gather every rank's counts here."""
 
     backend = "all_to_all"
 

@@ -10,7 +10,7 @@ token it needs once, writing it to all of its expert-major rows; the combine sum
 token's rows on the rank that computed them (float32 partials, routing weights folded in,
 written straight into the published buffer) and the token's home reads one partial per
 such rank and adds them. The layout gathers every rank's per-expert counts (one small
-collective and one host sync, as the all_to_all's layout exchanges its counts) and sends
+collective and one host sync, as the collective row all_to_all's layout does) and sends
 each rank the flattened (token, k) indices of the rows it computes, in one small
 all_to_all of ints; its index math runs as three Triton launches on CUDA
 (``moe_fn.kernels.peer_layout``).

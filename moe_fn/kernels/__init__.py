@@ -11,7 +11,10 @@ its Triton kernel runs in eager mode only. The explicit Triton launchers (any de
 under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and
 ``moe_fn.kernels.row_weight.launch_*``. ``layout`` and ``layout_with_tokens`` are plain
 functions too: two or three Triton launches for CUDA ``topk_idx`` in eager mode
-(``moe_fn.kernels.dispatch_layout.launch_layout``), the pure ``layout`` elsewhere.
+(``moe_fn.kernels.dispatch_layout.launch_layout``), the pure ``layout`` elsewhere; so are
+the exchanges' layout halves around their host sync, ``peer_home_side`` /
+``peer_receiver_side`` (``symm_mem``) and ``rows_home_side`` / ``rows_receiver_side``
+(the collective row all_to_all), in ``moe_fn.kernels.peer_layout``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pure.peer_layout import PeerHomeSide, PeerReceiverSide, RowsHomeSide
+from ..pure.peer_layout import PeerHomeSide, PeerReceiverSide, RowsHomeSide, own_slice_ends
 from ._launch import cdiv, launch, next_pow2
 
 _BLOCK = 512
@@ -204,7 +204,7 @@ def launch_rows_home_side(c, offs, counts, perm, token_of_sorted, rank: int,
     if n:
         launch(_rows_home_kernel, (cdiv(n, _BLOCK),), offs, perm.contiguous(),
                token_of_sorted.contiguous(), home_order, buffer_tokens, buffer_flat, n,
-               rank * el - 1, (rank + 1) * el - 1, BLOCK=_BLOCK)
+               *own_slice_ends(rank, el), BLOCK=_BLOCK)
     return RowsHomeSide(sizes, local_offs, home_order, buffer_tokens, buffer_flat, tables)
 
 

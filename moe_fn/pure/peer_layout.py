@@ -127,12 +127,18 @@ class RowsHomeSide(NamedTuple):
     tables: torch.Tensor | None = None
 
 
+def own_slice_ends(rank: int, num_local: int) -> tuple[int, int]:
+    """The ``offs`` entries that end the rows before this rank's own experts (-1: none)
+    and its own experts' rows, in its sorted order."""
+    return rank * num_local - 1, (rank + 1) * num_local - 1
+
+
 def own_slice(offs, rank: int, num_local: int):
     """``(a, b)``: the bounds of this rank's own experts' rows in its sorted order, as
     0-dim device tensors (read on the host they would sync)."""
-    zero = offs.new_zeros(())
-    a = offs[rank * num_local - 1] if rank else zero
-    return a.long(), offs[(rank + 1) * num_local - 1].long()
+    before, end = own_slice_ends(rank, num_local)
+    a = offs[before] if before >= 0 else offs.new_zeros(())
+    return a.long(), offs[end].long()
 
 
 def buffer_position(p, a, own, n):

@@ -151,9 +151,8 @@ class SymmetricPeerMemory:
         dtype = rows.dtype if rows is not None else torch.uint8
         vdtype = values.dtype if values is not None else torch.uint8
         peer_rows, peer_vals = self._regions(
-            width, dtype, max_rows if rows is not None else 0, vdtype,
-            max_values if values is not None else 0, rows=rows is not None,
-            values=values is not None)
+            width, dtype, max_rows, vdtype, max_values if values is not None else 0,
+            rows=rows is not None, values=values is not None)
         if rows is not None:
             peer_rows[self.rank][:rows.shape[0]].copy_(rows)
         return self._publish(peer_rows, peer_vals, values, dtype, vdtype)

@@ -284,18 +284,20 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):
     return d_rows, d_w.to(weights.dtype)
 
 
-def masked_gather_sum(rows, table, weights=None):
+def masked_gather_sum(rows, table, weights=None, *, out_dtype=None):
     """``out[r] = sum_j [weights[table[r, j]] *] rows[table[r, j]]`` over the entries with
     ``table[r, j] >= 0`` (float32 accumulation for half types; absent entries are -1).
 
     The per-token sums of a token-once exchange: a received token's rows on this rank
     (``table`` = its row of each top-k slot), or a home token's partial sums from each rank
     (``table`` = its position in the returned buffer per rank). ``rows (N, H)``,
-    ``table (R, K)`` int64, ``weights (N,)`` or None -> ``(R, H)`` in rows' dtype."""
+    ``table (R, K)`` int64, ``weights (N,)`` or None -> ``(R, H)`` in ``out_dtype``
+    (default rows' dtype)."""
     r, k = table.shape
     cd = compute_dtype(rows.dtype)
+    out_dtype = out_dtype or rows.dtype
     if rows.shape[0] == 0 or r * k == 0:
-        return rows.new_zeros((r, rows.shape[1]))
+        return rows.new_zeros((r, rows.shape[1]), dtype=out_dtype)
     present = table >= 0
     g = rows.index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k, rows.shape[1]).to(cd)
     # Absent slots read row 0 as a stand-in: zero it rather than scale it (inf * 0 is NaN).
@@ -303,7 +305,7 @@ def masked_gather_sum(rows, table, weights=None):
     if weights is not None:
         w = weights.to(cd).index_select(0, table.clamp(min=0).reshape(-1)).reshape(r, k)
         g = g * torch.where(present, w, 0)[:, :, None]
-    return g.sum(dim=1).to(rows.dtype)
+    return g.sum(dim=1).to(out_dtype)
 
 
 def peer_gather(peers, src_rank, src_idx, row_div: int = 1):
@@ -324,21 +326,11 @@ def peer_gather(peers, src_rank, src_idx, row_div: int = 1):
 
 
 def slot_sum(rows, token_slots, top_k: int, weights=None):
-    """``out[g] = sum_j [weights[i] *] rows[i]`` over ``i = token_slots[g * top_k + j] >= 0``,
-    accumulated in float32 for half types (zero where a group has no slot): an expert
+    """``masked_gather_sum`` over the flat slot table ``token_slots (G * top_k,)``, kept in
+    its float32 accumulation for half types (zero where a group has no slot): an expert
     side's per-token partials, the contract of ``moe_fn.kernels.peer.launch_slot_sum``."""
-    acc = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
-    slots = token_slots.long().reshape(-1, top_k)
-    out = rows.new_zeros((slots.shape[0], rows.shape[1]), dtype=acc)
-    if rows.shape[0] == 0:
-        return out
-    r = rows.to(acc)
-    if weights is not None:
-        r = r * weights.reshape(-1, 1).to(acc)
-    for j in range(top_k):  # in slot order, as the kernel adds them
-        i = slots[:, j]
-        out = out + torch.where((i >= 0)[:, None], r.index_select(0, i.clamp(min=0)), 0)
-    return out
+    return masked_gather_sum(rows, token_slots.long().reshape(-1, top_k), weights,
+                             out_dtype=compute_dtype(rows.dtype))
 
 
 def peer_partial_sum(peers, home_rank, rank: int, max_tokens: int, top_k: int, out_dtype):

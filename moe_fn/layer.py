@@ -9,7 +9,7 @@ from torch import nn
 
 from . import functional, kernels
 from .autograd.kept import ReplayKept
-from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
+from .autograd.routing import Combine, Dispatch, Router, RouterLinear, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
@@ -139,11 +139,13 @@ class MoELayer(nn.Module):
 
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
-        logits = F.linear(x2, self.router.weight, self.router.bias)
-        idx, w = Router.apply(logits, self.router.e_score_correction_bias, c.top_k,
-                              c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
-                              c.group_score, float(c.routed_scaling_factor), replay_idx)
-        return logits, idx, w
+        r = self.router
+        args = (r.e_score_correction_bias, c.top_k, c.score_func, c.norm_topk_prob, c.n_group,
+                c.topk_group, c.group_score, float(c.routed_scaling_factor), replay_idx)
+        if kernels.router_linear_supported(x2, r.weight, r.bias, c.n_group):
+            return RouterLinear.apply(x2, r.weight, r.bias, *args)
+        logits = F.linear(x2, r.weight, r.bias)
+        return (logits, *Router.apply(logits, *args))
 
     def _weight_rows(self, rows, row_w):
         if self.config.row_weighting_impl == "fused":

@@ -150,3 +150,44 @@ def test_local_layer_captured_as_cuda_graph_matches_eager():
         # Same kernels; only the order of floating-point atomics may differ (bf16 defaults).
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b)
+
+
+def _layer_pass(layer, x, dy, wrap=None):
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    out, logits = (wrap or (lambda f, v: f(v)))(lambda v: layer(v, return_router_logits=True), x)
+    ((out.float() * dy.float()).sum() + 1e-3 * logits.float().square().sum()).backward()
+    return [out, logits, x.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_fused_router_linear_in_the_layer(monkeypatch):
+    """The layer's router linear runs inside the router kernel on CUDA (16-bit, eager): same
+    results as F.linear and the separate router kernel, to rounding, and exactly the same
+    under checkpointing, whose recompute replays the route through the same kernel."""
+    from moe_fn import MoEConfig, MoELayer, checkpoint, kernels
+    from moe_fn.autograd import routing
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=32, top_k=4,
+                    norm_topk_prob=True, row_weighting_impl="fused", combine_impl="fused")
+    layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    calls = []
+    real_apply = routing.RouterLinear.apply
+    monkeypatch.setattr(routing.RouterLinear, "apply",
+                        lambda *a: calls.append(a[-1] is not None) or real_apply(*a))
+    fused = _layer_pass(layer, x, dy)
+    assert calls == [False]
+    ckpt = _layer_pass(layer, x, dy, wrap=lambda f, v: checkpoint(f, v))
+    assert calls == [False, False, True]  # the forward, then its recompute replaying the route
+    for a, b in zip(fused, ckpt):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(kernels, "router_linear_supported", lambda *a, **k: False)
+    separate = _layer_pass(layer, x, dy)
+    assert len(calls) == 3
+    torch.testing.assert_close(fused[1], separate[1], rtol=BF16_STEP, atol=0)  # logits
+    for a, b in zip(fused, separate):
+        # A routing weight one float32 rounding apart moves bf16 results by a step or two.
+        torch.testing.assert_close(a.float(), b.float(), rtol=0,
+                                   atol=4 * BF16_STEP * b.abs().max().item())

@@ -40,6 +40,49 @@ class Router(torch.autograd.Function):
         return (d_logits,) + (None,) * 9
 
 
+class RouterLinear(torch.autograd.Function):
+    """``(x (T, H), weight (E, H), lin_bias) -> (logits (T, E), topk_idx, topk_weight)``: the
+    router's linear and its routing in one launch (``kernels.router_linear_fwd``). Backward
+    is the routing's (the weights' gradient to the logits), plus any gradient the logits
+    get themselves (an auxiliary loss), then the linear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lin_bias, bias, top_k, score_func, norm_topk_prob, n_group,
+                topk_group, group_score, routed_scaling_factor, replay_idx):
+        logits, (idx, w), res = kernels.router_linear_fwd(
+            x, weight, lin_bias, bias, top_k=top_k, score_func=score_func,
+            norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
+            group_score=group_score, routed_scaling_factor=routed_scaling_factor,
+            topk_idx=replay_idx)
+        ctx.has_scores = res.scores is not None
+        saved = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
+        ctx.save_for_backward(x, weight, *saved)
+        ctx.static = res[3:]
+        ctx.has_lin_bias = lin_bias is not None
+        ctx.mark_non_differentiable(idx)
+        # Logits nobody differentiates get None, not a (T, E) tensor of zeros to add.
+        ctx.set_materialize_grads(False)
+        return logits, idx, w
+
+    @staticmethod
+    def backward(ctx, d_logits, _d_idx, d_w):
+        refuse_double_backward("RouterLinear")
+        x, weight, *saved = ctx.saved_tensors
+        scores = saved.pop(0) if ctx.has_scores else None
+        g = d_logits
+        if d_w is not None:
+            g_w = router_bwd(RouterRes(scores, saved[0], saved[1], *ctx.static),
+                             contiguous_grad(d_w))
+            g = g_w if g is None else g_w + g
+        if g is None:
+            return (None,) * 12
+        n = ctx.needs_input_grad
+        dx = g.mm(weight) if n[0] else None
+        d_weight = g.t().mm(x) if n[1] else None
+        d_lin_bias = g.sum(0) if ctx.has_lin_bias and n[2] else None
+        return (dx, d_weight, d_lin_bias) + (None,) * 9
+
+
 class Dispatch(torch.autograd.Function):
     """Token rows and routing weights to expert rows on the ranks that own the experts.
 

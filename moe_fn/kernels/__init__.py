@@ -30,7 +30,7 @@ from ..pure.row_weight import RowWeightRes
 from . import _registry
 from ._registry import use_triton
 from .dispatch_layout import launch_layout as _launch_layout
-from .router import groups_supported, launch_router_fwd
+from .router import groups_supported, launch_router_fwd, launch_router_linear_fwd, linear_supported
 
 __all__ = [
     "gather_row_weight_bwd",
@@ -51,6 +51,8 @@ __all__ = [
     "row_weight_bwd",
     "row_weight_fwd",
     "router_fwd",
+    "router_linear_fwd",
+    "router_linear_supported",
     "swiglu_bwd",
     "swiglu_fwd",
     "swiglu_packed_bwd",
@@ -151,6 +153,44 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
     res = pure.RouterRes(scores, idx, raw, num_experts, score_id, int(norm_topk_prob),
                          float(routed_scaling_factor), logits.dtype)
     return (idx, w), res
+
+
+def router_linear_supported(h, weight, lin_bias, n_group: int) -> bool:
+    """Whether ``router_linear_fwd`` runs for these operands: CUDA 16-bit floats of one
+    dtype, unit column strides, at least 16 experts, eager mode (see
+    ``moe_fn.kernels.router.linear_supported``)."""
+    return (isinstance(h, torch.Tensor) and h.is_cuda and not torch.compiler.is_compiling()
+            and linear_supported(h, weight, lin_bias, weight.shape[0], n_group))
+
+
+def router_linear_fwd(h, weight, lin_bias=None, bias=None, *, top_k: int,
+                      score_func: str = "softmax", norm_topk_prob: bool = False,
+                      n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                      routed_scaling_factor: float = 1.0, topk_idx=None):
+    """``logits = F.linear(h, weight, lin_bias)`` and ``router_fwd(logits, bias, ...)`` in
+    one Triton launch (the Python wrappers of an eager layer's router cost its forward more
+    host time than their kernels take). Returns ``(logits, (topk_idx, topk_weight), res)``.
+    Operands must pass ``router_linear_supported``; the logits are accumulated in float32
+    and rounded once, as cuBLAS does, but in another summation order, so they can differ
+    from ``F.linear``'s in the last bit."""
+    pure = _pure_router
+    num_experts = weight.shape[0]
+    pure.router_validate(num_experts, top_k=top_k, score_func=score_func,
+                         norm_topk_prob=norm_topk_prob, n_group=n_group,
+                         topk_group=topk_group, group_score=group_score,
+                         routed_scaling_factor=routed_scaling_factor)
+    if bias is not None:
+        pure.check_router_bias(bias, h, num_experts)
+    if topk_idx is not None:
+        pure.check_replayed_route(topk_idx, h.shape[0], top_k)
+    score_id = pure.SCORE_ID[score_func]
+    logits, idx, w, scores, raw = launch_router_linear_fwd(
+        h, weight, lin_bias, bias, top_k=top_k, score_id=score_id, norm=norm_topk_prob,
+        scale=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
+        top2_sum=group_score == "top2_sum", topk_idx=topk_idx)
+    res = pure.RouterRes(scores, idx, raw, num_experts, score_id, int(norm_topk_prob),
+                         float(routed_scaling_factor), h.dtype)
+    return logits, (idx, w), res
 
 
 def weighted_gather_sum_fwd(rows, index, weights, top_k: int):

@@ -121,13 +121,23 @@ def router_validate(num_experts: int, *, top_k: int, score_func: str = "softmax"
 
 def check_router_args(logits, bias=None) -> None:
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
-    if bias is None:
-        return
+    if bias is not None:
+        check_router_bias(bias, logits, logits.shape[1])
+
+
+def check_router_bias(bias, ref, num_experts: int) -> None:
+    """The score-correction bias: float ``(E,)`` on ``ref``'s device."""
     check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
-    if bias.shape[0] != logits.shape[1]:
-        raise ValueError(f"bias must have one entry per expert ({logits.shape[1]}), "
+    if bias.shape[0] != num_experts:
+        raise ValueError(f"bias must have one entry per expert ({num_experts}), "
                          f"got {bias.shape[0]}")
-    check_same("logits and bias", logits, bias, dtype=False)
+    check_same("logits and bias", ref, bias, dtype=False)
+
+
+def check_replayed_route(topk_idx, num_tokens: int, top_k: int) -> None:
+    if topk_idx.shape != (num_tokens, top_k) or topk_idx.dtype != torch.int64:
+        raise ValueError(f"topk_idx must be int64 of shape {(num_tokens, top_k)}, got "
+                         f"{topk_idx.dtype} {tuple(topk_idx.shape)}")
 
 
 def _sorted_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -183,9 +193,8 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
     if topk_idx is None:
         topk_idx = _choose(scores, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                            group_score=group_score)
-    elif topk_idx.shape != (logits.shape[0], top_k) or topk_idx.dtype != torch.int64:
-        raise ValueError(f"topk_idx must be int64 of shape {(logits.shape[0], top_k)}, got "
-                         f"{topk_idx.dtype} {tuple(topk_idx.shape)}")
+    else:
+        check_replayed_route(topk_idx, logits.shape[0], top_k)
     raw = scores.gather(1, topk_idx)
     if score_func == "softmax_topk":
         raw = torch.softmax(raw, dim=-1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_fn.kernels as K
-from moe_fn.kernels.router import launch_router_fwd
+from moe_fn.kernels.router import launch_router_fwd, launch_router_linear_fwd, linear_supported
 from moe_fn.pure.router import SCORE_FUNCS, SCORE_ID, router_fwd
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
@@ -188,3 +188,92 @@ def test_wrapper_cuda_runs_kernel(score_func):
     if r2.scores is not None:
         torch.testing.assert_close(r1.scores, r2.scores, **TOL)
     assert r1[3:] == r2[3:]
+
+
+# ---- the router linear fused in (kernels.router_linear_fwd) ---------------------------------
+# Logits: float32 sums rounded once to 16 bits, against float64 sums rounded once: within one
+# ulp of the 16-bit type (other summation order; the CPU interpreter also rounds toward zero).
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+def _linear_operands(t, h, e, dtype, seed, lin_bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w = torch.randn(e, h, generator=g) / h ** 0.5
+    b = torch.randn(e, generator=g) if lin_bias else None
+    x[1] = 0.0  # every logit equals the bias: ties through the linear too
+    return [None if v is None else v.to(dtype).to(DEV) for v in (x, w, b)]
+
+
+def _assert_logits(logits, x, w, b):
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert logits.dtype == x.dtype and logits.shape == want.shape
+    torch.testing.assert_close(logits.double(), want, rtol=ULP[x.dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("t,h,e,top_k", [(13, 72, 60, 4), (70, 130, 16, 2), (5, 16, 128, 8)])
+def test_linear_kernel_matches_linear_then_pure(dtype, score_func, t, h, e, top_k):
+    """Logits as F.linear computes them (to rounding), and exactly the pure routing of those
+    logits; rows span several programs, H several K-steps with a ragged last one."""
+    x, w, b = _linear_operands(t, h, e, dtype, seed=t + e)
+    corr = torch.randint(-2, 3, (e,), generator=torch.Generator().manual_seed(3)) * 0.25
+    for lin_b, bias in ((b, None), (None, corr.to(DEV))):
+        for norm, scale in ((False, 1.0), (True, 2.5)):
+            logits, idx, wt, scores, raw = launch_router_linear_fwd(
+                x, w, lin_b, bias, top_k=top_k, score_id=SCORE_ID[score_func], norm=norm,
+                scale=scale)
+            _assert_logits(logits, x, w, lin_b)
+            (i2, w2), r2 = router_fwd(logits.cpu(), None if bias is None else bias.cpu(),
+                                      top_k=top_k, score_func=score_func, norm_topk_prob=norm,
+                                      routed_scaling_factor=scale)
+            _assert_matches([v.cpu() if v is not None else None for v in (idx, wt, scores, raw)],
+                            (i2, w2, r2))
+
+
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+def test_linear_kernel_expert_groups(group_score):
+    x, w, b = _linear_operands(21, 48, 64, torch.bfloat16, seed=9)
+    logits, idx, wt, scores, raw = launch_router_linear_fwd(
+        x, w, b, None, top_k=6, score_id=SCORE_ID["sigmoid"], norm=True, scale=2.5,
+        n_group=8, topk_group=3, top2_sum=group_score == "top2_sum")
+    (i2, w2), r2 = router_fwd(logits.cpu(), None, top_k=6, score_func="sigmoid",
+                              norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8,
+                              topk_group=3, group_score=group_score)
+    _assert_matches([v.cpu() if v is not None else None for v in (idx, wt, scores, raw)],
+                    (i2, w2, r2))
+
+
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+def test_linear_kernel_replays_a_route(score_func):
+    """With a recorded route the kernel recomputes the same logits and weights those experts
+    (here not the ones it would choose), as the pure replay does."""
+    t, e, k = 19, 32, 3
+    x, w, b = _linear_operands(t, 40, e, torch.bfloat16, seed=5)
+    g = torch.Generator().manual_seed(8)
+    route = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEV)
+    first = launch_router_linear_fwd(x, w, b, None, top_k=k, score_id=SCORE_ID[score_func],
+                                     norm=True, scale=1.5)
+    logits, idx, wt, scores, raw = launch_router_linear_fwd(
+        x, w, b, None, top_k=k, score_id=SCORE_ID[score_func], norm=True, scale=1.5,
+        topk_idx=route)
+    assert torch.equal(logits, first[0]) and torch.equal(idx, route)
+    (i2, w2), r2 = router_fwd(logits.cpu(), None, top_k=k, score_func=score_func,
+                              norm_topk_prob=True, routed_scaling_factor=1.5,
+                              topk_idx=route.cpu())
+    _assert_matches([v.cpu() if v is not None else None for v in (idx, wt, scores, raw)],
+                    (i2, w2, r2))
+
+
+def test_linear_supported_conditions():
+    x, w, b = _linear_operands(4, 32, 16, torch.bfloat16, seed=1)
+    assert linear_supported(x, w, b, 16, 1)
+    assert linear_supported(x, w, None, 16, 2)
+    assert not linear_supported(x.float(), w.float(), None, 16, 1)  # 16-bit floats only
+    assert not linear_supported(x, w.half(), None, 16, 1)          # one dtype
+    assert not linear_supported(x[:, ::2], w[:, ::2], None, 16, 1)  # unit column stride
+    x8, w8, _ = _linear_operands(4, 32, 8, torch.bfloat16, seed=1)
+    assert not linear_supported(x8, w8, None, 8, 1)                 # dot tiles need E >= 16
+    x12, w12, _ = _linear_operands(4, 32, 24, torch.bfloat16, seed=1)
+    assert not linear_supported(x12, w12, None, 24, 3)              # groups: power of two E

@@ -1,0 +1,68 @@
+"""The fused router linear's shell (``RouterLinear``) against float64 autograd of the naive
+code (``x @ W^T + b``, then the pure router) on the same route: the gradients reaching the
+input, the router weight and its bias through the routing weights, the logits (an
+auxiliary loss), or both. The kernel runs on the GPU, else in the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fn.autograd.routing import RouterLinear
+from moe_fn.pure.router import SCORE_FUNCS, router_fwd
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.float16  # the kernel's dtypes are 16-bit; float16 keeps more mantissa
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("uses", ["weights", "logits", "both"])
+def test_router_linear_gradients(score_func, uses):
+    t, h, e, k = 24, 40, 32, 4
+    g = torch.Generator().manual_seed(len(score_func) + len(uses))
+    x0 = torch.randn(t, h, generator=g).to(DT)
+    w0 = (torch.randn(e, h, generator=g) / h ** 0.5).to(DT)
+    b0 = (torch.randn(e, generator=g) * 0.1).to(DT)
+    cw = torch.randn(t, k, generator=g, dtype=torch.float64)
+    cl = torch.randn(t, e, generator=g, dtype=torch.float64)
+    corr = torch.randn(e, generator=g) * 0.1
+
+    x, w, b = (_leaf(v.to(DEV)) for v in (x0, w0, b0))
+    logits, idx, wt = RouterLinear.apply(x, w, b, corr.to(DEV), k, score_func, True, 1, 1,
+                                         "top2_sum", 2.0, None)
+    loss = 0
+    if uses in ("weights", "both"):
+        loss = loss + (wt.double() * cw.to(DEV)).sum()
+    if uses in ("logits", "both"):
+        loss = loss + (logits.double() * cl.to(DEV)).sum()
+    loss.backward()
+
+    x64, w64, b64 = (_leaf(v.double()) for v in (x0, w0, b0))
+    logits64 = x64 @ w64.t() + b64
+    (_, wt64), _ = router_fwd(logits64, corr.double(), top_k=k, score_func=score_func,
+                              norm_topk_prob=True, routed_scaling_factor=2.0,
+                              topk_idx=idx.cpu())
+    loss64 = 0
+    if uses in ("weights", "both"):
+        loss64 = loss64 + (wt64 * cw).sum()
+    if uses in ("logits", "both"):
+        loss64 = loss64 + (logits64 * cl).sum()
+    loss64.backward()
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert got.dtype == DT
+        # A couple of float16 ulps of the largest entry (measured: under one).
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-3 * scale)
+
+
+def test_router_linear_without_linear_bias_or_input_grad():
+    x = torch.randn(8, 16, dtype=DT, device=DEV)  # input that needs no gradient
+    w = torch.randn(16, 16, dtype=DT, device=DEV).requires_grad_()
+    logits, idx, wt = RouterLinear.apply(x, w, None, None, 2, "softmax", False, 1, 1,
+                                         "top2_sum", 1.0, None)
+    wt.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape and x.grad is None

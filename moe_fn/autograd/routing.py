@@ -12,7 +12,8 @@ from ._common import contiguous_grad, refuse_double_backward
 
 
 class Router(torch.autograd.Function):
-    """``logits (T, E) -> (topk_idx (T, k), topk_weight (T, k))``; gradients via the weights."""
+    """``logits (T, E) -> (topk_idx (T, k), topk_weight (T, k))``; gradients via the weights.
+    (MoELayer uses ``RouterLinear`` instead where its kernel runs.)"""
 
     @staticmethod
     def forward(ctx, logits, bias, top_k, score_func, norm_topk_prob, n_group, topk_group,

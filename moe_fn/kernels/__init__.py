@@ -6,8 +6,9 @@ They call the ``torch.ops.moe_fn.*`` custom ops (see ``_registry``): CUDA tensor
 float16/bfloat16/float32 run the Triton kernels, everything else the pure pair.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
-``row_weight_fwd``, ``row_weight_bwd``. ``router_fwd`` is a plain function (no custom op):
-its Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
+``row_weight_fwd``, ``row_weight_bwd``. ``router_fwd`` and ``router_linear_fwd`` (the
+router's linear and its routing in one launch) are plain functions (no custom op): their
+Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
 under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and
 ``moe_fn.kernels.row_weight.launch_*``. ``layout`` and ``layout_with_tokens`` are plain
 functions too: two or three Triton launches for CUDA ``topk_idx`` in eager mode

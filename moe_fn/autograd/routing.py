@@ -11,6 +11,23 @@ from ..pure.router import RouterRes, router_bwd
 from ._common import contiguous_grad, refuse_double_backward
 
 
+def _save_route(ctx, res: RouterRes, *tensors) -> None:
+    """Save ``tensors`` and what the routing's backward needs of ``res`` (the scores only
+    for softmax); ``_saved_route`` gives them back."""
+    ctx.has_scores = res.scores is not None
+    route = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
+    ctx.save_for_backward(*tensors, *route)
+    ctx.n_other = len(tensors)
+    ctx.static = res[3:]
+
+
+def _saved_route(ctx) -> tuple[list, RouterRes]:
+    saved = list(ctx.saved_tensors)
+    other, route = saved[:ctx.n_other], saved[ctx.n_other:]
+    scores = route.pop(0) if ctx.has_scores else None
+    return other, RouterRes(scores, route[0], route[1], *ctx.static)
+
+
 class Router(torch.autograd.Function):
     """``logits (T, E) -> (topk_idx (T, k), topk_weight (T, k))``; gradients via the weights.
     (MoELayer uses ``RouterLinear`` instead where its kernel runs.)"""
@@ -24,19 +41,14 @@ class Router(torch.autograd.Function):
             logits, bias, top_k=top_k, score_func=score_func, norm_topk_prob=norm_topk_prob,
             n_group=n_group, topk_group=topk_group, group_score=group_score,
             routed_scaling_factor=routed_scaling_factor, topk_idx=replay_idx)
-        ctx.has_scores = res.scores is not None
-        saved = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
-        ctx.save_for_backward(*saved)
-        ctx.static = res[3:]
+        _save_route(ctx, res)
         ctx.mark_non_differentiable(idx)
         return idx, w
 
     @staticmethod
     def backward(ctx, d_idx, d_w):
         refuse_double_backward("Router")
-        saved = list(ctx.saved_tensors)
-        scores = saved.pop(0) if ctx.has_scores else None
-        res = RouterRes(scores, saved[0], saved[1], *ctx.static)
+        _, res = _saved_route(ctx)
         d_logits = router_bwd(res, contiguous_grad(d_w)) if d_w is not None else None
         return (d_logits,) + (None,) * 9
 
@@ -55,10 +67,7 @@ class RouterLinear(torch.autograd.Function):
             norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
             group_score=group_score, routed_scaling_factor=routed_scaling_factor,
             topk_idx=replay_idx)
-        ctx.has_scores = res.scores is not None
-        saved = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
-        ctx.save_for_backward(x, weight, *saved)
-        ctx.static = res[3:]
+        _save_route(ctx, res, x, weight)
         ctx.has_lin_bias = lin_bias is not None
         ctx.mark_non_differentiable(idx)
         # Logits nobody differentiates get None, not a (T, E) tensor of zeros to add.
@@ -68,12 +77,10 @@ class RouterLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits, _d_idx, d_w):
         refuse_double_backward("RouterLinear")
-        x, weight, *saved = ctx.saved_tensors
-        scores = saved.pop(0) if ctx.has_scores else None
+        (x, weight), res = _saved_route(ctx)
         g = d_logits
         if d_w is not None:
-            g_w = router_bwd(RouterRes(scores, saved[0], saved[1], *ctx.static),
-                             contiguous_grad(d_w))
+            g_w = router_bwd(res, contiguous_grad(d_w))
             g = g_w if g is None else g_w + g
         if g is None:
             return (None,) * 12

@@ -18,6 +18,7 @@ turns it off (benchmarks compare the two).
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -85,7 +86,7 @@ def _launcher(compiled, names, n_args, params):
     # The launcher takes every parameter in signature order, constexprs included.
     try:
         tail = tuple(params[n] for n in names[n_args:])
-    except KeyError:  # a parameter left to its default: not keyed here
+    except KeyError:  # a parameter neither passed nor declared with a default
         return None
     return run, function, packed, tail
 
@@ -161,5 +162,17 @@ def _entry(kernel, compiled, n_args, params):
     # runtime values) keeps Triton's path.
     if not isinstance(jit, _jit_types()) or getattr(jit, "pre_run_hooks", None):
         return None
-    launcher = _launcher(compiled, jit.arg_names, n_args, chosen)
+    # Parameters left to their declared defaults are bound to them, as Triton binds them.
+    bound = {**_defaults(jit), **chosen}
+    launcher = _launcher(compiled, jit.arg_names, n_args, bound)
     return None if launcher is None else (*launcher, jit, chosen)
+
+
+def _defaults(jit) -> dict:
+    """A JIT function's declared parameter defaults by name (none known: empty)."""
+    out = {}
+    for p in getattr(jit, "params", ()):
+        default = getattr(p, "default", inspect.Parameter.empty)
+        if default is not inspect.Parameter.empty:
+            out[p.name] = default
+    return out

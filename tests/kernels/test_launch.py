@@ -190,6 +190,42 @@ def test_a_parameter_left_to_its_default_is_never_launched_fast(fake_cuda):
     assert kinds(k.log) == ["slow"] * 3
 
 
+def test_a_parameter_left_to_its_declared_default_is_launched_fast_with_it(fake_cuda):
+    import inspect
+    import types
+
+    k = FakeKernel()
+    k.params = [types.SimpleNamespace(name=n, default=inspect.Parameter.empty)
+                for n in ("x", "y", "n")] + [types.SimpleNamespace(name="BLOCK", default=16)]
+    x = torch.zeros(8)
+    for _ in range(2):
+        _launch.launch(k, (1,), x, x, 3)
+    assert kinds(k.log) == ["slow", "fast"]
+    assert k.log[1][1][-1] == 16  # the tail Triton would bind: BLOCK's default
+
+
+def test_the_router_kernel_launches_fast_without_its_linear_flags():
+    """The router kernel's fused-linear constexprs have defaults the plain router launch
+    leaves out; the fast path must still take that launch (a regression: it did not)."""
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    from moe_fn.kernels.router import _router_fwd_kernel as kernel
+
+    if not isinstance(kernel, JITFunction):  # the interpreter's wrapper: the JIT function
+        kernel = JITFunction(kernel.fn)
+    compiled = types.SimpleNamespace(run=lambda *a: None, function=object(),
+                                     packed_metadata=())
+    plain = dict(K=4, KP=4, SCORE=0, HAS_BIAS=False, NORM=True, PRECISE=True, N_GROUP=1,
+                 TOPK_GROUP=1, TOP2=True, BLOCK_T=32, BLOCK_E=128, num_warps=4)
+    n_args = kernel.arg_names.index("K")
+    entry = _launch._entry(kernel, compiled, n_args, plain)
+    assert entry is not None
+    tail = dict(zip(kernel.arg_names[n_args:], entry[3]))
+    assert tail["LINEAR"] is False and tail["REPLAY"] is False and tail["K"] == 4
+
+
 def test_interpreter_or_no_compiled_kernel_stays_on_triton_s_path(fake_cuda):
     k = FakeKernel()
     k.__class__ = type("Interp", (FakeKernel,), {

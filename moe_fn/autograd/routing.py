@@ -76,10 +76,12 @@ class RouterLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_logits, _d_idx, d_w):
-        refuse_double_backward("RouterLinear")
         (x, weight), res = _saved_route(ctx)
         g = d_logits
         if d_w is not None:
+            # The routing's backward is first order; a gradient reaching only the logits
+            # goes through the linear's torch ops below, which create_graph can differentiate.
+            refuse_double_backward("RouterLinear")
             g_w = router_bwd(res, contiguous_grad(d_w))
             g = g_w if g is None else g_w + g
         if g is None:

@@ -158,10 +158,10 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
 
 def router_linear_supported(h, weight, lin_bias, n_group: int) -> bool:
     """Whether ``router_linear_fwd`` runs for these operands: CUDA 16-bit floats of one
-    dtype, unit column strides, at least 16 experts, eager mode (see
+    dtype, unit column strides, 16 to 128 experts, eager mode (see
     ``moe_fn.kernels.router.linear_supported``)."""
     return (isinstance(h, torch.Tensor) and h.is_cuda and not torch.compiler.is_compiling()
-            and linear_supported(h, weight, lin_bias, weight.shape[0], n_group))
+            and linear_supported(h, weight, lin_bias, n_group))
 
 
 def router_linear_fwd(h, weight, lin_bias=None, bias=None, *, top_k: int,

@@ -134,6 +134,7 @@ def _router_fwd_kernel(x_ptr, bias_ptr, idx_ptr, raw_ptr, w_ptr, scores_ptr,
     cmask = cols < E
     m2 = rmask[:, None] & cmask[None, :]
     if LINEAR:
+        # Not PRECISE means interpreting: the interpreter's dot needs float32 operands.
         acc = _linear_tile(x_ptr, wr_ptr, lb_ptr, rows, cols, rmask, cmask, H, s_xr, s_wr,
                            HAS_LB, BLOCK_T, BLOCK_E, BLOCK_H, not PRECISE)
         # Rounded once to the input dtype, as F.linear returns the logits, so the routing
@@ -234,19 +235,29 @@ def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *,
 # cuBLAS's linear and the router kernel; 32 rows 28 us, 16 rows 47 us.
 _LINEAR_TILE = 8192
 _LINEAR_BLOCK_H = 128
+# The weight's (BLOCK_H, BLOCK_E) tile, pipelined over 3 stages, is the kernel's shared
+# memory: at most this many entries keeps it at 144 KiB for E = 128 and under 100 KiB above
+# (compiled for sm_90 on the CPU), where 128 columns of 512 experts would need 264 KiB.
+_LINEAR_W_TILE = 16384
+# Experts at most for the layer's fused path. GPU time on an H200 (8192 tokens, H 2048),
+# fused against cuBLAS + the router kernel: E 64 14 / 16 us, 128 22 / 20, 256 60 / 33, 512
+# 157 / 69 — past 128 each program's narrower tiles re-read the weight more often than the
+# launch it saves is worth to a forward queued behind other work.
+_LINEAR_MAX_E = 128
 
 
-def linear_supported(h: torch.Tensor, weight: torch.Tensor, lin_bias, num_experts: int,
-                     n_group: int) -> bool:
-    """Whether ``launch_router_linear_fwd`` takes these operands: 16-bit floats of one dtype
-    with unit column strides, at least 16 experts (``tl.dot``'s smallest tile) and a group
-    layout the kernel runs."""
+def linear_supported(h: torch.Tensor, weight: torch.Tensor, lin_bias, n_group: int) -> bool:
+    """Whether the layer runs ``launch_router_linear_fwd`` on these operands: 16-bit floats
+    of one dtype with unit column strides, 16 (``tl.dot``'s smallest tile) to 128 experts
+    (where it saves time), an ``(E,)`` bias or none, and a group layout the kernel runs.
+    The launcher itself also runs wider expert counts (tested up to 512)."""
+    e = weight.shape[0] if weight.dim() == 2 else 0
     return (h.dim() == 2 and weight.dim() == 2 and h.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == h.dtype and weight.shape == (num_experts, h.shape[1])
-            and h.stride(1) == 1 and weight.stride(1) == 1 and num_experts >= 16
-            and (lin_bias is None or (lin_bias.dtype == h.dtype and lin_bias.dim() == 1
+            and weight.dtype == h.dtype and weight.shape[1] == h.shape[1]
+            and h.stride(1) == 1 and weight.stride(1) == 1 and 16 <= e <= _LINEAR_MAX_E
+            and (lin_bias is None or (lin_bias.dtype == h.dtype and lin_bias.shape == (e,)
                                       and lin_bias.stride(0) == 1))
-            and groups_supported(num_experts, n_group))
+            and groups_supported(e, n_group))
 
 
 def launch_router_linear_fwd(h: torch.Tensor, weight: torch.Tensor, lin_bias=None, bias=None,
@@ -254,7 +265,8 @@ def launch_router_linear_fwd(h: torch.Tensor, weight: torch.Tensor, lin_bias=Non
                              n_group: int = 1, topk_group: int = 1, top2_sum: bool = True,
                              topk_idx=None):
     """The router linear ``logits = h @ weight^T (+ lin_bias)`` and the routing in one
-    launch; operands as ``linear_supported`` accepts them, arguments validated. With
+    launch; operands as ``linear_supported`` accepts them, the other arguments already
+    validated by the caller (``moe_fn.kernels.router_linear_fwd`` does). With
     ``topk_idx`` (a recorded route) the experts are not chosen again: their weights are
     computed from the new logits. Returns ``(logits (T, E) in h's dtype, topk_idx, w,
     scores, raw)`` as ``launch_router_fwd``."""
@@ -284,15 +296,17 @@ def _launch(x, bias, topk_idx, t, e, block_t, block_e, x_strides, linear, *, top
     scores = (torch.empty((t, e), dtype=torch.float32, device=dev) if score_id == 0 else None)
     if t == 0:
         return idx, w, scores, raw
-    # The pure path adds bias.to(float32): the same rounding here.
-    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    # The pure path adds bias.to(float32): the same rounding here. A replayed route makes no
+    # choice, so the bias (which moves only the choice) is not read.
+    b = bias.to(torch.float32).contiguous() if bias is not None and topk_idx is None else None
     if linear is None:
         tail, flags = (raw, raw, raw, 0, 0), {}  # unused without LINEAR
     else:
         weight, lin_bias, logits, h = linear
         tail = (weight, lin_bias if lin_bias is not None else raw, logits, h, weight.stride(0))
         flags = {"LINEAR": True, "HAS_LB": lin_bias is not None, "REPLAY": topk_idx is not None,
-                 "BLOCK_H": max(16, min(_LINEAR_BLOCK_H, next_pow2(h)))}
+                 "BLOCK_H": max(16, min(_LINEAR_BLOCK_H, next_pow2(h),
+                                        _LINEAR_W_TILE // block_e))}
     launch(_router_fwd_kernel, (cdiv(t, block_t),),
            x, b if b is not None else raw, idx, raw, w, scores if scores is not None else raw,
            t, e, x_strides[0], x_strides[1], float(scale), *tail,

@@ -66,3 +66,18 @@ def test_router_linear_without_linear_bias_or_input_grad():
                                          "top2_sum", 1.0, None)
     wt.sum().backward()
     assert w.grad is not None and w.grad.shape == w.shape and x.grad is None
+
+
+def test_router_linear_double_backward_through_the_logits_only():
+    """An auxiliary loss on the logits alone differentiates twice through the linear (as it
+    did through F.linear); a gradient through the routing weights is first order only."""
+    x = torch.randn(6, 16, dtype=DT, device=DEV, requires_grad=True)
+    w = torch.randn(16, 16, dtype=DT, device=DEV, requires_grad=True)
+    args = (None, 2, "softmax", False, 1, 1, "top2_sum", 1.0, None)
+    logits, _, _ = RouterLinear.apply(x, w, None, *args)
+    (gx,) = torch.autograd.grad(logits.float().square().sum(), x, create_graph=True)
+    gx.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad.float()).all()
+    _, _, wt = RouterLinear.apply(x, w, None, *args)
+    with pytest.raises(RuntimeError, match="first-order only"):
+        torch.autograd.grad(wt.sum(), x, create_graph=True)

@@ -268,12 +268,46 @@ def test_linear_kernel_replays_a_route(score_func):
 
 def test_linear_supported_conditions():
     x, w, b = _linear_operands(4, 32, 16, torch.bfloat16, seed=1)
-    assert linear_supported(x, w, b, 16, 1)
-    assert linear_supported(x, w, None, 16, 2)
-    assert not linear_supported(x.float(), w.float(), None, 16, 1)  # 16-bit floats only
-    assert not linear_supported(x, w.half(), None, 16, 1)          # one dtype
-    assert not linear_supported(x[:, ::2], w[:, ::2], None, 16, 1)  # unit column stride
+    assert linear_supported(x, w, b, 1)
+    assert linear_supported(x, w, None, 2)
+    assert not linear_supported(x.float(), w.float(), None, 1)  # 16-bit floats only
+    assert not linear_supported(x, w.half(), None, 1)          # one dtype
+    assert not linear_supported(x[:, ::2], w[:, ::2], None, 1)  # unit column stride
+    assert not linear_supported(x, w, b[:8], 1)                 # one bias entry per expert
     x8, w8, _ = _linear_operands(4, 32, 8, torch.bfloat16, seed=1)
-    assert not linear_supported(x8, w8, None, 8, 1)                 # dot tiles need E >= 16
+    assert not linear_supported(x8, w8, None, 1)                # dot tiles need E >= 16
     x12, w12, _ = _linear_operands(4, 32, 24, torch.bfloat16, seed=1)
-    assert not linear_supported(x12, w12, None, 24, 3)              # groups: power of two E
+    assert not linear_supported(x12, w12, None, 3)              # groups: power of two E
+    big = torch.zeros(256, 32, dtype=torch.bfloat16, device=DEV)
+    assert linear_supported(x, big[:128], None, 1)
+    assert not linear_supported(x, big, None, 1)                # the layer's path: E <= 128
+
+
+@pytest.mark.parametrize("t,h,e,top_k", [(0, 32, 16, 2), (3, 8, 16, 16), (21, 40, 256, 8),
+                                         (9, 24, 512, 6)])
+def test_linear_kernel_edges(t, h, e, top_k):
+    """No tokens, H below one dot step, top_k = E, and expert counts past the layer's
+    (whose weight tiles the launcher narrows), with both biases and a row-strided input."""
+    x, w, b = _linear_operands(max(t, 2), h, e, torch.bfloat16, seed=e + h)
+    x = torch.cat([x, x], dim=1)[:t, :h] if t else x[:0]  # row stride 2h, unit column stride
+    corr = (torch.randint(-2, 3, (e,), generator=torch.Generator().manual_seed(2)) * 0.25)
+    logits, idx, wt, scores, raw = launch_router_linear_fwd(
+        x, w, b, corr.to(DEV), top_k=top_k, score_id=SCORE_ID["softmax"], norm=True, scale=1.5)
+    assert logits.shape == (t, e) and idx.shape == (t, top_k)
+    _assert_logits(logits, x, w, b)
+    (i2, w2), r2 = router_fwd(logits.cpu(), corr, top_k=top_k, norm_topk_prob=True,
+                              routed_scaling_factor=1.5)
+    _assert_matches([v.cpu() for v in (idx, wt, scores, raw)], (i2, w2, r2))
+
+
+def test_linear_kernel_groups_with_correction_bias():
+    x, w, b = _linear_operands(17, 48, 64, torch.float16, seed=4)
+    corr = torch.randint(-2, 3, (64,), generator=torch.Generator().manual_seed(7)) * 0.25
+    logits, idx, wt, scores, raw = launch_router_linear_fwd(
+        x, w, None, corr.to(DEV), top_k=8, score_id=SCORE_ID["sigmoid"], norm=True,
+        scale=2.5, n_group=8, topk_group=4)
+    (i2, w2), r2 = router_fwd(logits.cpu(), corr, top_k=8, score_func="sigmoid",
+                              norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8,
+                              topk_group=4)
+    _assert_matches([v.cpu() if v is not None else None for v in (idx, wt, scores, raw)],
+                    (i2, w2, r2))

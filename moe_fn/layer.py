@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from . import functional, kernels
 from .autograd.kept import ReplayKept
-from .autograd.routing import Combine, Dispatch, Router, RouterLinear, SkippedCombine
+from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
@@ -140,14 +139,9 @@ class MoELayer(nn.Module):
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
         r = self.router
-        # Read once: a converted HF router may compute them on each access (a float32 cast).
-        weight, bias = r.weight, r.bias
-        args = (r.e_score_correction_bias, c.top_k, c.score_func, c.norm_topk_prob, c.n_group,
-                c.topk_group, c.group_score, float(c.routed_scaling_factor), replay_idx)
-        if kernels.router_linear_supported(x2, weight, bias, c.n_group):
-            return RouterLinear.apply(x2, weight, bias, *args)
-        logits = F.linear(x2, weight, bias)
-        return (logits, *Router.apply(logits, *args))
+        return Router.apply(x2, r.weight, r.bias, r.e_score_correction_bias, c.top_k,
+                            c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
+                            c.group_score, float(c.routed_scaling_factor), replay_idx)
 
     def _weight_rows(self, rows, row_w):
         if self.config.row_weighting_impl == "fused":

@@ -166,17 +166,17 @@ def test_fused_router_linear_in_the_layer(monkeypatch):
     results as F.linear and the separate router kernel, to rounding, and exactly the same
     under checkpointing, whose recompute replays the route through the same kernel."""
     from moe_fn import MoEConfig, MoELayer, checkpoint, kernels
-    from moe_fn.autograd import routing
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=32, top_k=4,
                     norm_topk_prob=True, row_weighting_impl="fused", combine_impl="fused")
     layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    calls = []
-    real_apply = routing.RouterLinear.apply
-    monkeypatch.setattr(routing.RouterLinear, "apply",
-                        lambda *a: calls.append(a[-1] is not None) or real_apply(*a))
+    calls = []  # fused launches: whether each replays a route
+    real_launch = kernels.launch_router_linear_fwd
+    monkeypatch.setattr(kernels, "launch_router_linear_fwd",
+                        lambda *a, **kw: calls.append(kw["topk_idx"] is not None)
+                        or real_launch(*a, **kw))
     fused = _layer_pass(layer, x, dy)
     assert calls == [False]
     ckpt = _layer_pass(layer, x, dy, wrap=lambda f, v: checkpoint(f, v))

@@ -7,57 +7,16 @@ import torch
 from .. import kernels
 from ..comm.base import sm_carveout
 from ..pure.experts import experts_bwd_weight
-from ..pure.router import RouterRes, router_bwd
+from ..pure.router import RouterLinearRes, RouterRes, router_linear_bwd
 from ._common import contiguous_grad, refuse_double_backward
 
 
-def _save_route(ctx, res: RouterRes, *tensors) -> None:
-    """Save ``tensors`` and what the routing's backward needs of ``res`` (the scores only
-    for softmax); ``_saved_route`` gives them back."""
-    ctx.has_scores = res.scores is not None
-    route = (res.scores, res.topk_idx, res.topk_raw) if ctx.has_scores else res[1:3]
-    ctx.save_for_backward(*tensors, *route)
-    ctx.n_other = len(tensors)
-    ctx.static = res[3:]
-
-
-def _saved_route(ctx) -> tuple[list, RouterRes]:
-    saved = list(ctx.saved_tensors)
-    other, route = saved[:ctx.n_other], saved[ctx.n_other:]
-    scores = route.pop(0) if ctx.has_scores else None
-    return other, RouterRes(scores, route[0], route[1], *ctx.static)
-
-
 class Router(torch.autograd.Function):
-    """``logits (T, E) -> (topk_idx (T, k), topk_weight (T, k))``; gradients via the weights.
-    (MoELayer uses ``RouterLinear`` instead where its kernel runs.)"""
-
-    @staticmethod
-    def forward(ctx, logits, bias, top_k, score_func, norm_topk_prob, n_group, topk_group,
-                group_score, routed_scaling_factor, replay_idx):
-        # One fused Triton launch on CUDA in eager mode (see kernels.router_fwd for when
-        # it falls back, a replayed route among them); the pure pair otherwise.
-        (idx, w), res = kernels.router_fwd(
-            logits, bias, top_k=top_k, score_func=score_func, norm_topk_prob=norm_topk_prob,
-            n_group=n_group, topk_group=topk_group, group_score=group_score,
-            routed_scaling_factor=routed_scaling_factor, topk_idx=replay_idx)
-        _save_route(ctx, res)
-        ctx.mark_non_differentiable(idx)
-        return idx, w
-
-    @staticmethod
-    def backward(ctx, d_idx, d_w):
-        refuse_double_backward("Router")
-        _, res = _saved_route(ctx)
-        d_logits = router_bwd(res, contiguous_grad(d_w)) if d_w is not None else None
-        return (d_logits,) + (None,) * 9
-
-
-class RouterLinear(torch.autograd.Function):
-    """``(x (T, H), weight (E, H), lin_bias) -> (logits (T, E), topk_idx, topk_weight)``: the
-    router's linear and its routing in one launch (``kernels.router_linear_fwd``). Backward
-    is the routing's (the weights' gradient to the logits), plus any gradient the logits
-    get themselves (an auxiliary loss), then the linear's."""
+    """``(x (T, H), weight (E, H), lin_bias) -> (logits (T, E), topk_idx (T, k), topk_weight
+    (T, k))``: the router's linear and its routing (``kernels.router_linear_fwd``: one Triton
+    launch on CUDA where it runs). Backward: the routing's (the weights' gradient to the
+    logits), plus any gradient the logits get themselves (an auxiliary loss), then the
+    linear's."""
 
     @staticmethod
     def forward(ctx, x, weight, lin_bias, bias, top_k, score_func, norm_topk_prob, n_group,
@@ -67,8 +26,13 @@ class RouterLinear(torch.autograd.Function):
             norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
             group_score=group_score, routed_scaling_factor=routed_scaling_factor,
             topk_idx=replay_idx)
-        _save_route(ctx, res, x, weight)
-        ctx.has_lin_bias = lin_bias is not None
+        route = res.route
+        # The scores only for softmax, whose backward couples every expert.
+        ctx.has_scores = route.scores is not None
+        kept = (route.scores, route.topk_idx, route.topk_raw) if ctx.has_scores else route[1:3]
+        ctx.save_for_backward(x, weight, *kept)
+        ctx.static = route[3:]
+        ctx.has_lin_bias = res.has_lin_bias
         ctx.mark_non_differentiable(idx)
         # Logits nobody differentiates get None, not a (T, E) tensor of zeros to add.
         ctx.set_materialize_grads(False)
@@ -76,21 +40,17 @@ class RouterLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_logits, _d_idx, d_w):
-        (x, weight), res = _saved_route(ctx)
-        g = d_logits
+        x, weight, *kept = ctx.saved_tensors
+        scores = kept.pop(0) if ctx.has_scores else None
+        res = RouterLinearRes(x, weight, ctx.has_lin_bias,
+                              RouterRes(scores, kept[0], kept[1], *ctx.static))
         if d_w is not None:
             # The routing's backward is first order; a gradient reaching only the logits
-            # goes through the linear's torch ops below, which create_graph can differentiate.
-            refuse_double_backward("RouterLinear")
-            g_w = router_bwd(res, contiguous_grad(d_w))
-            g = g_w if g is None else g_w + g
-        if g is None:
-            return (None,) * 12
-        n = ctx.needs_input_grad
-        dx = g.mm(weight) if n[0] else None
-        d_weight = g.t().mm(x) if n[1] else None
-        d_lin_bias = g.sum(0) if ctx.has_lin_bias and n[2] else None
-        return (dx, d_weight, d_lin_bias) + (None,) * 9
+            # goes through the linear's torch ops, which create_graph can differentiate.
+            refuse_double_backward("Router")
+            d_w = contiguous_grad(d_w)
+        grads = router_linear_bwd(res, d_logits, d_w, needs=ctx.needs_input_grad[:3])
+        return grads + (None,) * 9
 
 
 class Dispatch(torch.autograd.Function):

@@ -157,8 +157,8 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
 
 
 def router_linear_supported(h, weight, lin_bias, n_group: int) -> bool:
-    """Whether ``router_linear_fwd`` runs for these operands: CUDA 16-bit floats of one
-    dtype, unit column strides, 16 to 128 experts, eager mode (see
+    """Whether ``router_linear_fwd`` runs the linear inside the router kernel: CUDA 16-bit
+    floats of one dtype, unit column strides, 16 to 128 experts, eager mode (see
     ``moe_fn.kernels.router.linear_supported``)."""
     return (isinstance(h, torch.Tensor) and h.is_cuda and not torch.compiler.is_compiling()
             and linear_supported(h, weight, lin_bias, n_group))
@@ -168,13 +168,21 @@ def router_linear_fwd(h, weight, lin_bias=None, bias=None, *, top_k: int,
                       score_func: str = "softmax", norm_topk_prob: bool = False,
                       n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
                       routed_scaling_factor: float = 1.0, topk_idx=None):
-    """``logits = F.linear(h, weight, lin_bias)`` and ``router_fwd(logits, bias, ...)`` in
-    one Triton launch (the Python wrappers of an eager layer's router cost its forward more
-    host time than their kernels take). Returns ``(logits, (topk_idx, topk_weight), res)``.
-    Operands must pass ``router_linear_supported``; the logits are accumulated in float32
+    """``moe_fn.pure.router.router_linear_fwd``: where ``router_linear_supported``, the
+    linear and the routing in one Triton launch (the Python wrappers of an eager layer's
+    router cost its forward more host time than their kernels take), else ``F.linear`` and
+    ``router_fwd`` (its kernel where it runs). The fused logits are accumulated in float32
     and rounded once, as cuBLAS does, but in another summation order, so they can differ
     from ``F.linear``'s in the last bit."""
     pure = _pure_router
+    if not router_linear_supported(h, weight, lin_bias, n_group):
+        logits = torch.nn.functional.linear(h, weight, lin_bias)
+        (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
+                                   norm_topk_prob=norm_topk_prob, n_group=n_group,
+                                   topk_group=topk_group, group_score=group_score,
+                                   routed_scaling_factor=routed_scaling_factor,
+                                   topk_idx=topk_idx)
+        return logits, (idx, w), pure.RouterLinearRes(h, weight, lin_bias is not None, res)
     num_experts = weight.shape[0]
     pure.router_validate(num_experts, top_k=top_k, score_func=score_func,
                          norm_topk_prob=norm_topk_prob, n_group=n_group,
@@ -191,7 +199,7 @@ def router_linear_fwd(h, weight, lin_bias=None, bias=None, *, top_k: int,
         top2_sum=group_score == "top2_sum", topk_idx=topk_idx)
     res = pure.RouterRes(scores, idx, raw, num_experts, score_id, int(norm_topk_prob),
                          float(routed_scaling_factor), h.dtype)
-    return logits, (idx, w), res
+    return logits, (idx, w), pure.RouterLinearRes(h, weight, lin_bias is not None, res)
 
 
 def weighted_gather_sum_fwd(rows, index, weights, top_k: int):

@@ -208,6 +208,48 @@ def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",
     return (topk_idx, w), res
 
 
+class RouterLinearRes(NamedTuple):
+    """Residuals of :func:`router_linear_fwd`: the linear's input and weight, whether it has
+    a bias, and the routing's :class:`RouterRes`."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    has_lin_bias: bool
+    route: RouterRes
+
+
+def router_linear_fwd(x, weight, lin_bias=None, bias=None, *, top_k: int,
+                      score_func: str = "softmax", norm_topk_prob: bool = False,
+                      n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                      routed_scaling_factor: float = 1.0, topk_idx=None):
+    """The router's linear ``logits = x @ weight^T (+ lin_bias)``, then :func:`router_fwd`
+    on the logits. Returns ``(logits, (topk_idx, topk_weight), RouterLinearRes)``."""
+    logits = torch.nn.functional.linear(x, weight, lin_bias)
+    (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
+                               norm_topk_prob=norm_topk_prob, n_group=n_group,
+                               topk_group=topk_group, group_score=group_score,
+                               routed_scaling_factor=routed_scaling_factor, topk_idx=topk_idx)
+    return logits, (idx, w), RouterLinearRes(x, weight, lin_bias is not None, res)
+
+
+def router_linear_bwd(res: RouterLinearRes, d_logits, d_topk_weight, *,
+                      needs=(True, True, True)):
+    """``(dx, d_weight, d_lin_bias)`` from the logits' own gradient (an auxiliary loss; None
+    when they have none) and the routing weights' (None likewise); None where ``needs``
+    says it is not wanted or there is no bias. Torch ops only, so a gradient reaching just
+    the logits can itself be differentiated."""
+    g = d_logits
+    if d_topk_weight is not None:
+        g_w = router_bwd(res.route, d_topk_weight)
+        g = g_w if g is None else g_w + g
+    if g is None:
+        return None, None, None
+    dx = g.mm(res.weight) if needs[0] else None
+    d_weight = g.t().mm(res.x) if needs[1] else None
+    d_lin_bias = g.sum(0) if res.has_lin_bias and needs[2] else None
+    return dx, d_weight, d_lin_bias
+
+
 # w = c * n(r), n(r)_j = r_j / (S + eps), S = sum r:  dr_j = (dn_j - sum_i dn_i n_i) / (S + eps);
 # r = s[idx]: softmax ds -> dl = s * (ds - <ds, s>); sigmoid dl = ds * s(1-s); softmax_topk on k.
 def router_bwd(res: RouterRes, d_topk_weight):

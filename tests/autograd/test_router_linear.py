@@ -1,14 +1,16 @@
-"""The fused router linear's shell (``RouterLinear``) against float64 autograd of the naive
-code (``x @ W^T + b``, then the pure router) on the same route: the gradients reaching the
-input, the router weight and its bias through the routing weights, the logits (an
-auxiliary loss), or both. The kernel runs on the GPU, else in the Triton interpreter."""
+"""The router shell (``Router``: the linear and the routing) against float64 autograd of the
+naive code (``x @ W^T + b``, then the pure router) on the same route: the gradients reaching
+the input, the router weight and its bias through the routing weights, the logits (an
+auxiliary loss), or both; with the linear fused into the router kernel (on the GPU, else in
+the Triton interpreter) and without it (``F.linear``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_fn.autograd.routing import RouterLinear
+from moe_fn import kernels
+from moe_fn.autograd.routing import Router
 from moe_fn.pure.router import SCORE_FUNCS, router_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,9 +21,18 @@ def _leaf(t):
     return t.detach().clone().requires_grad_()
 
 
+@pytest.fixture(params=["fused", "F.linear"])
+def fused(request, monkeypatch):
+    """Both forms of the shell's forward on any device (the fused one in the interpreter on
+    the CPU)."""
+    on = request.param == "fused"
+    monkeypatch.setattr(kernels, "router_linear_supported", lambda *a, **kw: on)
+    return on
+
+
 @pytest.mark.parametrize("score_func", SCORE_FUNCS)
 @pytest.mark.parametrize("uses", ["weights", "logits", "both"])
-def test_router_linear_gradients(score_func, uses):
+def test_router_linear_gradients(score_func, uses, fused):
     t, h, e, k = 24, 40, 32, 4
     g = torch.Generator().manual_seed(len(score_func) + len(uses))
     x0 = torch.randn(t, h, generator=g).to(DT)
@@ -32,7 +43,7 @@ def test_router_linear_gradients(score_func, uses):
     corr = torch.randn(e, generator=g) * 0.1
 
     x, w, b = (_leaf(v.to(DEV)) for v in (x0, w0, b0))
-    logits, idx, wt = RouterLinear.apply(x, w, b, corr.to(DEV), k, score_func, True, 1, 1,
+    logits, idx, wt = Router.apply(x, w, b, corr.to(DEV), k, score_func, True, 1, 1,
                                          "top2_sum", 2.0, None)
     loss = 0
     if uses in ("weights", "both"):
@@ -59,25 +70,25 @@ def test_router_linear_gradients(score_func, uses):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-3 * scale)
 
 
-def test_router_linear_without_linear_bias_or_input_grad():
+def test_router_linear_without_linear_bias_or_input_grad(fused):
     x = torch.randn(8, 16, dtype=DT, device=DEV)  # input that needs no gradient
     w = torch.randn(16, 16, dtype=DT, device=DEV).requires_grad_()
-    logits, idx, wt = RouterLinear.apply(x, w, None, None, 2, "softmax", False, 1, 1,
+    logits, idx, wt = Router.apply(x, w, None, None, 2, "softmax", False, 1, 1,
                                          "top2_sum", 1.0, None)
     wt.sum().backward()
     assert w.grad is not None and w.grad.shape == w.shape and x.grad is None
 
 
-def test_router_linear_double_backward_through_the_logits_only():
+def test_router_linear_double_backward_through_the_logits_only(fused):
     """An auxiliary loss on the logits alone differentiates twice through the linear (as it
     did through F.linear); a gradient through the routing weights is first order only."""
     x = torch.randn(6, 16, dtype=DT, device=DEV, requires_grad=True)
     w = torch.randn(16, 16, dtype=DT, device=DEV, requires_grad=True)
     args = (None, 2, "softmax", False, 1, 1, "top2_sum", 1.0, None)
-    logits, _, _ = RouterLinear.apply(x, w, None, *args)
+    logits, _, _ = Router.apply(x, w, None, *args)
     (gx,) = torch.autograd.grad(logits.float().square().sum(), x, create_graph=True)
     gx.float().sum().backward()
     assert w.grad is not None and torch.isfinite(w.grad.float()).all()
-    _, _, wt = RouterLinear.apply(x, w, None, *args)
+    _, _, wt = Router.apply(x, w, None, *args)
     with pytest.raises(RuntimeError, match="first-order only"):
         torch.autograd.grad(wt.sum(), x, create_graph=True)

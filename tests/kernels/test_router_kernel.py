@@ -12,6 +12,7 @@ import torch
 
 import moe_fn.kernels as K
 from moe_fn.kernels.router import launch_router_fwd, launch_router_linear_fwd, linear_supported
+from moe_fn.pure import router as pure_router
 from moe_fn.pure.router import SCORE_FUNCS, SCORE_ID, router_fwd
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
@@ -311,3 +312,16 @@ def test_linear_kernel_groups_with_correction_bias():
                               topk_group=4)
     _assert_matches([v.cpu() if v is not None else None for v in (idx, wt, scores, raw)],
                     (i2, w2, r2))
+
+
+def test_linear_wrapper_falls_back_to_the_pure_pair():
+    """Where the fused kernel does not run (the CPU here, or a float32 router anywhere),
+    ``kernels.router_linear_fwd`` is ``F.linear`` then ``kernels.router_fwd``: on the CPU
+    exactly the pure pair's forward."""
+    x, w, b = (v.cpu().float() for v in _linear_operands(9, 24, 16, torch.bfloat16, seed=2))
+    assert not K.router_linear_supported(x, w, b, 1)
+    got = K.router_linear_fwd(x, w, b, top_k=3, score_func="sigmoid", norm_topk_prob=True)
+    want = pure_router.router_linear_fwd(x, w, b, top_k=3, score_func="sigmoid",
+                                         norm_topk_prob=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    assert torch.equal(got[1][1], want[1][1]) and got[2].has_lin_bias and want[2].has_lin_bias

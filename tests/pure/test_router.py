@@ -12,7 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_fn.pure.router import router_bwd, router_fwd, router_validate
+from moe_fn.pure.router import (
+    router_bwd,
+    router_fwd,
+    router_linear_bwd,
+    router_linear_fwd,
+    router_validate,
+)
 
 # ----------------------------------------------------------------------------- oracle
 
@@ -347,6 +353,38 @@ def test_router_gradcheck(mode, with_bias):
     (_, w), res = router_fwd(logits.detach(), bias, **cfg)
     torch.testing.assert_close(w, ref.detach())
     torch.testing.assert_close(router_bwd(res, d_w), g_ref)
+
+
+@pytest.mark.parametrize("uses", ["weights", "logits", "both"])
+@pytest.mark.parametrize("with_lin_bias", [False, True])
+def test_router_linear_pair_against_autograd(uses, with_lin_bias):
+    """The router linear's pure pair: the backward equals float64 autograd of the naive
+    linear and weights (the oracle's route) for gradients through the routing weights, the
+    logits (an auxiliary loss), or both."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, e, k = 7, 12, 16, 4
+    x = torch.randn(t, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(e, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    lin_b = (torch.randn(e, generator=gen, dtype=torch.float64, requires_grad=True)
+             if with_lin_bias else None)
+    d_w = torch.randn(t, k, generator=gen, dtype=torch.float64) if uses != "logits" else None
+    d_l = torch.randn(t, e, generator=gen, dtype=torch.float64) if uses != "weights" else None
+    cfg = dict(top_k=k, score_func="softmax", norm_topk_prob=True, routed_scaling_factor=2.0)
+    logits, (idx, w), res = router_linear_fwd(x.detach(), weight.detach(),
+                                              None if lin_b is None else lin_b.detach(), **cfg)
+    naive_logits = x @ weight.t() + (0 if lin_b is None else lin_b)
+    ref_idx, _ = oracle_route(naive_logits.detach(), **cfg)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(logits, naive_logits.detach())
+    ref_w = oracle_weights_torch(naive_logits, ref_idx, None, **cfg)
+    loss = sum((a * b).sum() for a, b in ((ref_w, d_w), (naive_logits, d_l)) if b is not None)
+    leaves = [x, weight] + ([lin_b] if lin_b is not None else [])
+    want = torch.autograd.grad(loss, leaves)
+    got = router_linear_bwd(res, d_l, d_w)
+    for g, ref in zip(got, want):
+        torch.testing.assert_close(g, ref)
+    assert (got[2] is None) == (lin_b is None)
+    assert router_linear_bwd(res, d_l, d_w, needs=(False, True, False))[0::2] == (None, None)
 
 
 def test_router_bwd_noncontiguous_grad():

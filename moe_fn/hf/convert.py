@@ -227,36 +227,57 @@ class _ReplayCheckpointLayer:
         self.__dict__["_moe_fn_ckpt_func"] = fn
 
     def _unreadable_checkpoint(self, fn):
-        needs = sorted({opt for m in self.modules() if isinstance(m, ConvertedBlock)
-                        for opt, on in (("skip_recompute_combine=True",
-                                         m.moe_layer.config.skip_recompute_combine),
-                                        ("recompute_in_checkpoint=False",
-                                         not m.moe_layer.config.recompute_in_checkpoint))
-                        if on})
-        what = (f"moe_fn cannot tell whether the checkpoint function {fn!r} is reentrant, "
-                "so its recompute routes the MoE layers again (no replay)")
-        fix = ("pass gradient_checkpointing_kwargs={'use_reentrant': True} (or False) to "
-               "gradient_checkpointing_enable")
+        needs = _replay_needs(m.moe_layer.config for m in self.modules()
+                              if isinstance(m, ConvertedBlock))
+        what, fix = _unreadable_text(fn)
         if needs:
-            raise ValueError(f"{what}, and {', '.join(needs)} would be ignored: {fix}, or "
-                             "convert without those options")
+            raise ValueError(_unreadable_refusal(fn, needs))
         warnings.warn(f"{what}: {fix}", stacklevel=3)
 
 
-def _enable_replay(model: nn.Module, block_name: str) -> None:
+def _replay_needs(configs) -> list[str]:
+    """The options among ``configs`` that only a replaying checkpoint honours."""
+    return sorted({opt for c in configs
+                   for opt, on in (("skip_recompute_combine=True", c.skip_recompute_combine),
+                                   ("recompute_in_checkpoint=False",
+                                    not c.recompute_in_checkpoint))
+                   if on})
+
+
+def _unreadable_text(fn) -> tuple[str, str]:
+    what = (f"moe_fn cannot tell whether the checkpoint function {fn!r} is reentrant, "
+            "so its recompute routes the MoE layers again (no replay)")
+    fix = ("pass gradient_checkpointing_kwargs={'use_reentrant': True} (or False) to "
+           "gradient_checkpointing_enable")
+    return what, fix
+
+
+def _unreadable_refusal(fn, needs) -> str:
+    what, fix = _unreadable_text(fn)
+    return (f"{what}, and {', '.join(needs)} would be ignored: {fix}, or convert without "
+            "those options")
+
+
+def _checkpoint_layer(model: nn.Module, block_name: str):
+    """The HF decoder layer (a ``GradientCheckpointingLayer``) holding a block, or None."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover - transformers without checkpointing layers
-        return
+        return None
     parts = block_name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent = model.get_submodule(".".join(parts[:i]))
         if isinstance(parent, GradientCheckpointingLayer):
-            if not isinstance(parent, _ReplayCheckpointLayer):
-                fn = parent.__dict__.pop("_gradient_checkpointing_func", None)
-                parent.__class__ = _subclass(_ReplayCheckpointLayer, type(parent))
-                parent._gradient_checkpointing_func = fn
-            return
+            return parent
+    return None
+
+
+def _enable_replay(model: nn.Module, block_name: str) -> None:
+    parent = _checkpoint_layer(model, block_name)
+    if parent is not None and not isinstance(parent, _ReplayCheckpointLayer):
+        fn = parent.__dict__.pop("_gradient_checkpointing_func", None)
+        parent.__class__ = _subclass(_ReplayCheckpointLayer, type(parent))
+        parent._gradient_checkpointing_func = fn
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -394,10 +415,30 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     _check_options(options, moe_layer_pattern)
     _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)
-    for name, block in _find_blocks(model, p.cls("block"), moe_layer_pattern):
+    blocks = list(_find_blocks(model, p.cls("block"), moe_layer_pattern))
+    _check_checkpoint_functions(model, [name for name, _ in blocks], options)
+    for name, block in blocks:
         _convert_block(block, p, text_config, process_group, ep_size, options)
         _enable_replay(model, name)
     return model
+
+
+def _check_checkpoint_functions(model: nn.Module, block_names, options: dict) -> None:
+    """Refuse, before anything is converted, options that need the replay when a decoder
+    layer already holds a checkpoint function whose reentrancy cannot be read (converting
+    first would leave the model half converted)."""
+    needs = [opt for opt, on in (
+        ("skip_recompute_combine=True", options.get("skip_recompute_combine", False)),
+        ("recompute_in_checkpoint=False", options.get("recompute_in_checkpoint") is False))
+        if on]
+    if not needs:
+        return
+    for name in block_names:
+        parent = _checkpoint_layer(model, name)
+        fn = None if parent is None else parent.__dict__.get("_gradient_checkpointing_func")
+        if fn is not None and not getattr(fn, "moe_fn_replay", False) \
+                and _use_reentrant(fn) is None:
+            raise ValueError(_unreadable_refusal(fn, needs))
 
 
 def converted_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

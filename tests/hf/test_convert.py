@@ -309,3 +309,20 @@ def test_unreadable_checkpoint_function_is_refused_where_options_need_replay():
     _, plain = _pair("olmoe")
     with pytest.warns(UserWarning, match="cannot tell whether the checkpoint function"):
         plain.model.layers[0]._gradient_checkpointing_func = custom_checkpoint
+
+
+@pytest.mark.parametrize("option", [{"skip_recompute_combine": True},
+                                    {"recompute_in_checkpoint": False}])
+def test_unreadable_checkpoint_function_is_refused_before_anything_is_converted(option):
+    """Checkpointing already enabled with a function whose mode cannot be read: convert
+    refuses the replay-only options before it changes any block, so the model still
+    trains as it was (a regression: it converted the first block, then raised, leaving
+    that layer without its checkpoint function)."""
+    model = make_model("qwen3_moe")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": 1})
+    with pytest.raises(ValueError, match="would be ignored"):
+        convert(model, **option)
+    assert converted_blocks(model) == []
+    assert all(layer._gradient_checkpointing_func is not None for layer in model.model.layers)
+    model.train()
+    run(model, *batch())

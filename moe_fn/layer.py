@@ -195,8 +195,35 @@ class MoELayer(nn.Module):
                 and gu.device == dev and dn.device == dev and w.device == dev
                 and (w.shape, gu.shape, dn.shape) == self._param_shapes()
                 and (b is None or (b.dtype == w.dtype and b.device == dev))):
+            self._check_optional_tensors(b)
             return
         self._explain_parameters(x, (w, gu, dn), b)
+
+    def _check_optional_tensors(self, router_bias) -> None:
+        """The biases the config asks for are there, with their shapes, and no others: a
+        missing one would silently drop a term, an extra one silently add (or be ignored)."""
+        c = self.config
+        e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+        for name, t, wanted, shape in (
+                ("router.bias", router_bias, c.router_bias, (c.num_experts,)),
+                ("router.e_score_correction_bias", self.router.e_score_correction_bias,
+                 c.score_correction_bias, (c.num_experts,)),
+                # (A view of other modules' experts may not define absent biases at all.)
+                ("experts.gate_up_proj_bias", getattr(self.experts, "gate_up_proj_bias", None),
+                 c.expert_bias, (e_loc, 2 * i)),
+                ("experts.down_proj_bias", getattr(self.experts, "down_proj_bias", None),
+                 c.expert_bias, (e_loc, h))):
+            if (t is not None) != wanted:
+                option = {"router.bias": "router_bias",
+                          "router.e_score_correction_bias": "score_correction_bias"}.get(
+                              name, "expert_bias")
+                raise ValueError(
+                    f"{name} is {'missing' if wanted else 'set'} but the config has "
+                    f"{option}={wanted}: build the layer from a config with {option}="
+                    f"{not wanted}, or {'restore' if wanted else 'remove'} {name}")
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {shape} for this config, got "
+                                 f"{tuple(t.shape)}")
 
     def _explain_parameters(self, x, params, bias) -> None:
         for name, p, shape in zip(self._PARAMS, params, self._param_shapes()):

@@ -177,6 +177,34 @@ def test_parameters_changed_behind_the_config_are_refused():
         layer(x)
 
 
+@pytest.mark.parametrize("name,option", [("router.bias", "router_bias"),
+                                         ("router.e_score_correction_bias",
+                                          "score_correction_bias"),
+                                         ("experts.gate_up_proj_bias", "expert_bias"),
+                                         ("experts.down_proj_bias", "expert_bias")])
+def test_biases_must_match_the_config(name, option):
+    """A bias the config asks for that is gone, one it does not ask for that was added, or
+    one of the wrong shape is refused at the call, not dropped, added or broadcast."""
+    x = torch.randn(3, 8)
+    owner_name, attr = name.split(".")
+    for wanted in (True, False):
+        layer = MoELayer(_cfg(**{option: wanted}))
+        owner = getattr(layer, owner_name)
+        if wanted:
+            present = getattr(owner, attr)
+            setattr(owner, attr, None)
+            with pytest.raises(ValueError, match=f"{name} is missing.*{option}=True"):
+                layer(x)
+            setattr(owner, attr, torch.nn.Parameter(present.detach()[..., :1]))
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                layer(x)
+        else:
+            shape = {"router": (4,), "experts": (2, 8)}[owner_name]
+            setattr(owner, attr, torch.nn.Parameter(torch.zeros(shape)))
+            with pytest.raises(ValueError, match=f"{name} is set.*{option}=False"):
+                layer(x)
+
+
 # ---- expert parallelism over gloo ---------------------------------------------------------
 
 def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):

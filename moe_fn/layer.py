@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -10,6 +12,7 @@ from . import functional, kernels
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
+from .comm import base as comm_base
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
@@ -119,6 +122,8 @@ class MoELayer(nn.Module):
         self.router = MoERouter(config, device=device, dtype=dtype)
         self.experts = MoEExperts(config, device=device, dtype=dtype)
         self.reset_parameters()
+        # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.
+        self._ranks_agree_on = None
 
     @property
     def ep_rank(self) -> int:
@@ -242,6 +247,28 @@ class MoELayer(nn.Module):
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
                                  "or the layer (layer.to(device))")
 
+    def _check_ranks_agree(self, x) -> None:
+        """Every rank of the expert-parallel group runs this layer from the same config and
+        in the same dtype: else the exchange's collectives would mismatch sizes (a process
+        abort in the backend, or a hang) or reinterpret rows of another dtype bit for bit.
+        One small all-gather (and host sync) per dtype and device the layer sees."""
+        mine = torch.tensor([zlib.crc32(repr(self.config).encode()),
+                             zlib.crc32(str(x.dtype).encode())], dtype=torch.int64,
+                            device=x.device)
+        ep = self.exchange.ep_size
+        every = mine.new_empty(ep * 2)
+        comm_base._all_gather(every, mine, group=self.exchange.group)
+        rows = every.view(ep, 2).tolist()
+        for rank, (cfg, dtype) in enumerate(rows):
+            what = [w for w, same in (("config", cfg == rows[0][0]),
+                                      ("dtype", dtype == rows[0][1])) if not same]
+            if what:
+                raise ValueError(
+                    f"rank {rank} of the expert-parallel group runs this MoELayer with another "
+                    f"{' and '.join(what)} than rank 0 (this rank: {x.dtype}): every rank must "
+                    "build its layer from the same MoEConfig and call it in one dtype")
+        self._ranks_agree_on = (x.dtype, x.device)
+
     def _check_capturable(self, region) -> None:
         # A captured graph replays kernels only: the host-side work these paths do per
         # call (split sizes read back, replay entries recorded and consumed) would run
@@ -359,6 +386,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
         self._check_parameters(x)
+        if (self.exchange.ep_size > 1
+                and getattr(self, "_ranks_agree_on", None) != (x.dtype, x.device)):
+            self._check_ranks_agree(x)
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()

@@ -344,10 +344,13 @@ def _count_collectives(world, dedup, dtype):
     base._all_gather = counting(real_gather)
     try:
         x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+        layer(x)  # the first call per dtype also checks that the ranks agree: one gather
+        first = len(calls)
         out = layer(x)
-        forward = len(calls)
+        forward = len(calls) - first
+        assert first == forward + 1, calls
         out.float().sum().backward()
-        backward = len(calls) - forward
+        backward = len(calls) - first - forward
     finally:
         dist.all_to_all_single, base._all_gather = real, real_gather
     # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
@@ -355,13 +358,39 @@ def _count_collectives(world, dedup, dtype):
     # out, the row gradients with the weight gradients packed in back (sent apart, the
     # weights would add one collective each way).
     assert (forward, backward) == (4 if dedup else 3, 2), calls
-    assert calls[forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
+    assert calls[first + forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
     assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.multiproc
 def test_routing_weights_ride_in_the_rows_collective():
     run_distributed(_count_collectives_body, 2)
+
+
+def _mismatch_body(rank, world, differ):
+    kw = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+              comm_backend="all_to_all", ep_size=world)
+    dtype = torch.float32
+    if rank == 1:
+        if differ == "config":
+            kw["top_k"] = 1
+        else:
+            dtype = torch.float64
+    layer = MoELayer(MoEConfig(**kw), dist.group.WORLD, dtype=dtype)
+    with pytest.raises(ValueError, match=f"rank 1 .* another {differ} than rank 0"):
+        layer(torch.randn(5, 8, dtype=dtype))
+    if differ == "dtype":  # each rank's layer in one dtype: agreed, and it runs
+        layer.float()
+        layer(torch.randn(5, 8))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("differ", ["config", "dtype"])
+def test_ranks_that_disagree_are_refused_before_the_exchange(differ):
+    """Another config or dtype on one rank is named on every rank at the first call, before
+    the exchange's collectives could mismatch (gloo aborted the process; rows of another
+    dtype were reinterpreted bit for bit)."""
+    run_distributed(_mismatch_body, 2, differ)
 
 
 @pytest.mark.parametrize("rows_dtype,values_dtype", [

@@ -10,7 +10,17 @@ import os
 
 import torch
 
-_debug = os.environ.get("MOE_FN_DEBUG", "0") not in ("", "0", "false", "False")
+
+def env_flag(name: str, default: bool) -> bool:
+    """A switch in the environment: unset gives ``default``; "", 0, false, no and off (any
+    case) are off, anything else on."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_debug = env_flag("MOE_FN_DEBUG", False)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -18,7 +28,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def set_debug_checks(enabled: bool) -> None:
     """Switch on the checks that cost a device-to-host sync (``offs`` values on CUDA)."""
     global _debug
-    _debug = bool(enabled)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_debug_checks takes a bool, got {enabled!r}")
+    _debug = enabled
 
 
 def debug_checks() -> bool:

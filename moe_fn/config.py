@@ -120,6 +120,10 @@ class MoEConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_groups()
+        if self.norm_topk_prob and self.score_func == "softmax_topk":
+            raise ValueError("norm_topk_prob=True does nothing with score_func='softmax_topk' "
+                             "(its weights, a softmax over the chosen experts, already sum to "
+                             "1): leave norm_topk_prob=False")
         r = self.routed_scaling_factor
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
             raise ValueError(f"routed_scaling_factor must be a positive finite number, got {r!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -300,6 +301,8 @@ def check_args(args) -> None:
         raise SystemExit("--ep must be 1 or 2")
     if args.steps < 1 or args.batch < 1:
         raise SystemExit("--steps and --batch must be positive")
+    if args.tol is not None and not (args.tol > 0 and math.isfinite(args.tol)):
+        raise SystemExit(f"--tol must be a positive finite number, got {args.tol}")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is available")

@@ -116,6 +116,10 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(process_group).__name__} (device and dtype are "
+                            "keyword arguments: MoELayer(config, device=..., dtype=...))")
         self.config = config
         self.process_group = process_group
         self.exchange = make_exchange(config, process_group)

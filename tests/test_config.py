@@ -54,6 +54,11 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(skip_recompute_combine=True, recompute_in_checkpoint=False),
      "set skip_recompute_combine=False"),
     (dict(recompute_in_checkpoint=0), "recompute_in_checkpoint must be a bool"),
+    (dict(activation="swiglu_oai", activation_limit=True), "activation_limit must be a number"),
+    (dict(activation="swiglu_oai", activation_alpha="1.5"), "activation_alpha must be a number"),
+    (dict(activation="swiglu_oai", activation_alpha=torch.tensor(1.0)),
+     "activation_alpha must be a number"),
+    (dict(score_func="softmax_topk", norm_topk_prob=True), "leave norm_topk_prob=False"),
 ])
 def test_invalid_options_name_the_option(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -91,3 +96,31 @@ def _group_size_mismatch(rank, world):
 @pytest.mark.multiproc
 def test_group_size_mismatch_fails_before_any_collective():
     run_distributed(_group_size_mismatch, 2)
+
+
+@pytest.mark.parametrize("value,want", [(None, "default"), ("off", False), ("NO", False),
+                                        ("False", False), ("0", False), ("", False),
+                                        ("1", True), ("yes", True)])
+def test_environment_switches_parse_alike(monkeypatch, value, want):
+    """MOE_FN_DEBUG, MOE_FN_AUTOTUNE and MOE_FN_FAST_LAUNCH read off/no/false the same way
+    (MOE_FN_DEBUG=off used to switch the checks on)."""
+    from moe_fn._checks import env_flag
+    if value is None:
+        monkeypatch.delenv("MOE_FN_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("MOE_FN_TEST_SWITCH", value)
+    for default in (True, False):
+        expected = default if want == "default" else want
+        assert env_flag("MOE_FN_TEST_SWITCH", default) is expected
+
+
+def test_debug_switch_takes_a_bool():
+    import moe_fn
+    with pytest.raises(TypeError, match="takes a bool"):
+        moe_fn.set_debug_checks("False")
+
+
+def test_process_group_must_be_a_group():
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed "
+                                        "ProcessGroup.*device=..."):
+        MoELayer(MoEConfig(**BASE), "cpu")

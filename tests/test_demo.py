@@ -46,6 +46,9 @@ def test_bad_arguments():
     # One process runs the local backend: an exchange asked for is refused, not ignored.
     with pytest.raises(SystemExit, match="--comm symm_mem needs --ep 2"):
         main(["demo", "--ep", "1", "--comm", "symm_mem"])
+    for tol in ("nan", "-1", "0"):  # refused up front, not after the whole run
+        with pytest.raises(SystemExit, match="--tol must be a positive finite number"):
+            main(["demo", "--tol", tol])
 
 
 def test_demo_single_process(capsys, monkeypatch):

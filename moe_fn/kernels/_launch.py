@@ -19,17 +19,17 @@ turns it off (benchmarks compare the two).
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
+
+from .._checks import env_flag
 
 try:
     from triton import knobs as _knobs
 except ImportError:  # a Triton without ``knobs`` cannot say whether hooks are set
     _knobs = None
 
-ENABLED = os.environ.get("MOE_FN_FAST_LAUNCH", "1").strip().lower() not in (
-    "", "0", "false", "no", "off")
+ENABLED = env_flag("MOE_FN_FAST_LAUNCH", True)
 
 # (kernel, device, typed constexprs/options, argument keys, tune key, Triton's options) ->
 # launcher entry, or None for "use Triton's path for this key".

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import env_flag
 from ..pure.activations import LAYOUT_ID, split_packed
 from ._launch import cdiv, launch, next_pow2
 
@@ -38,7 +39,7 @@ def interpreting() -> bool:
 
 
 def _autotune_enabled() -> bool:
-    return not interpreting() and os.environ.get("MOE_FN_AUTOTUNE", "1") not in ("", "0")
+    return not interpreting() and env_flag("MOE_FN_AUTOTUNE", True)
 
 
 # ----------------------------------------------------------------------------- math

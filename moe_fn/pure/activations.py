@@ -52,6 +52,9 @@ def resolve_activation(activation, alpha=None, limit=None) -> tuple[int, float, 
             f"limit is only used by 'swiglu_clamped' and 'swiglu_oai'; pass limit=None for "
             f"{activation!r}"
         )
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{name} must be a number (int or float) or None, got {v!r}")
     alpha = float(DEFAULT_ALPHA if alpha is None else alpha) if uses_alpha else 0.0
     limit = float(DEFAULT_LIMIT if limit is None else limit) if uses_limit else 0.0
     if uses_limit and not (limit > 0 and math.isfinite(limit)):

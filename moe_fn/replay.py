@@ -119,6 +119,13 @@ class ReplayRegion:
             yield self
         finally:
             stack.pop()
+        # A recompute that returns normally has called every recorded layer (a non-
+        # reentrant checkpoint that stops early leaves by an exception, not through here).
+        if self.replaying and self.cursor < len(self.entries):
+            raise RuntimeError(
+                f"moe_fn replay: the recompute called {self.cursor} MoE layer(s) where the "
+                f"forward called {len(self.entries)}; a checkpointed function must call the "
+                "same MoE layers in the same order each time")
 
 
 def _stack() -> list:

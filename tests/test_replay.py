@@ -242,6 +242,26 @@ def test_replay_entries_are_consumed_once():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("recompute_in_checkpoint", [True, False])
+def test_a_recompute_calling_fewer_layers_is_refused(reentrant, recompute_in_checkpoint):
+    """The forward calls a layer twice, the recompute once: refused at the recompute (its
+    gradients would come from a graph without the second call), as one calling more or
+    other layers is."""
+    layer = make_model(_cfg(1, recompute_in_checkpoint=recompute_in_checkpoint))[0]
+    calls = []
+
+    def fn(v):
+        calls.append(1)
+        v = v + layer(v)
+        return v + layer(v) if len(calls) == 1 else v
+
+    x = torch.randn(6, H, requires_grad=True)
+    out = moe_fn.checkpoint(fn, x, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="recompute called 1 MoE layer.*forward called 2"):
+        out.sum().backward()
+
+
 def test_kept_layer_gets_its_gradients_when_its_input_needs_none():
     """Reentrant checkpoint, recompute_in_checkpoint=False, the MoE input a constant: the
     recompute's node must still run the kept graph, or the router and experts get no

@@ -196,7 +196,11 @@ class MoEConfig:
                     "comm_backend='all_to_all'"
                 )
             if self.num_experts // self.ep_size > 128:
-                raise ValueError("DeepEP supports at most 128 experts per rank; raise ep_size")
+                raise ValueError(
+                    f"DeepEP supports at most 128 experts per rank, got "
+                    f"{self.num_experts // self.ep_size} ({self.num_experts} over ep_size="
+                    f"{self.ep_size}): raise ep_size (up to {max(DEEPEP_INTRANODE_SIZES)}) or "
+                    "use comm_backend='all_to_all'")
 
     def _check_weighting(self):
         if self.expert_bias and self.score_apply != "post":

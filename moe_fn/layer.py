@@ -116,6 +116,9 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                               torch.float64):
+            raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__} (device and dtype are "
@@ -386,6 +389,8 @@ class MoELayer(nn.Module):
         if not isinstance(return_router_logits, bool):
             raise TypeError(f"return_router_logits must be a bool, got "
                             f"{type(return_router_logits).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")

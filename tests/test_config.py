@@ -59,6 +59,8 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(activation="swiglu_oai", activation_alpha=torch.tensor(1.0)),
      "activation_alpha must be a number"),
     (dict(score_func="softmax_topk", norm_topk_prob=True), "leave norm_topk_prob=False"),
+    (dict(comm_backend="deepep", ep_size=2, num_experts=512),
+     r"at most 128 experts per rank, got 256.*up to 8\) or use comm_backend='all_to_all'"),
 ])
 def test_invalid_options_name_the_option(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -118,6 +120,14 @@ def test_debug_switch_takes_a_bool():
     import moe_fn
     with pytest.raises(TypeError, match="takes a bool"):
         moe_fn.set_debug_checks("False")
+
+
+def test_layer_dtype_and_input_must_be_floating_point():
+    with pytest.raises(TypeError, match="dtype must be float16, bfloat16, float32 or float64"):
+        MoELayer(MoEConfig(**BASE), dtype=torch.complex64)
+    layer = MoELayer(MoEConfig(**BASE))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got torch.int64"):
+        layer(torch.ones(3, 16, dtype=torch.int64))
 
 
 def test_process_group_must_be_a_group():

@@ -409,6 +409,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers model (an nn.Module with a config), "
                         f"got {type(model).__name__}")
+    for name, v in (("preset", preset), ("moe_layer_pattern", moe_layer_pattern)):
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"{name} must be a str or None, got {type(v).__name__}")
     p = resolve_preset(model, preset)
     if p.unsupported:
         raise NotImplementedError(p.unsupported)
@@ -456,6 +459,8 @@ def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, 
     rank order along the expert dimension; everything else is as ``state_dict()`` returns
     it. The result loads into an unconverted HF model of the same config.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     sd = model.state_dict()
     for key, block, pname in _expert_entries(model):
         layer = block.moe_layer

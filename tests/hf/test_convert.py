@@ -326,3 +326,14 @@ def test_unreadable_checkpoint_function_is_refused_before_anything_is_converted(
     assert all(layer._gradient_checkpointing_func is not None for layer in model.model.layers)
     model.train()
     run(model, *batch())
+
+
+def test_convert_argument_types():
+    model = make_model("qwen3_moe")
+    with pytest.raises(TypeError, match="moe_layer_pattern must be a str or None, got int"):
+        convert(model, moe_layer_pattern=3)
+    with pytest.raises(TypeError, match="preset must be a str or None, got list"):
+        convert(model, preset=["qwen3_moe"])
+    assert converted_blocks(model) == []
+    with pytest.raises(TypeError, match="model must be an nn.Module, got int"):
+        gather_expert_state_dict(3)

@@ -20,6 +20,14 @@ from .records import RoutePlan
 from .replay import KeptActivations, current_region
 
 
+def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
+    """The SMs the exchange takes (DeepEP's kernels, the symm_mem pulls, the overlap's
+    carveout) must leave some to the experts' GEMMs."""
+    if num_sms >= sm_count:
+        raise ValueError(f"comm_num_sm={num_sms} leaves none of this GPU's {sm_count} SMs to "
+                         f"the experts' GEMMs: use fewer (12-24 is typical)")
+
+
 def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     """The exchange a config asks for; group size is checked before any collective runs."""
     if config.comm_backend == "local":
@@ -397,6 +405,9 @@ class MoELayer(nn.Module):
         self._check_parameters(x)
         if (self.exchange.ep_size > 1
                 and getattr(self, "_ranks_agree_on", None) != (x.dtype, x.device)):
+            if x.is_cuda:
+                check_comm_num_sm(c.comm_num_sm,
+                                  torch.cuda.get_device_properties(x.device).multi_processor_count)
             self._check_ranks_agree(x)
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)

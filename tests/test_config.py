@@ -134,3 +134,11 @@ def test_process_group_must_be_a_group():
     with pytest.raises(TypeError, match="process_group must be a torch.distributed "
                                         "ProcessGroup.*device=..."):
         MoELayer(MoEConfig(**BASE), "cpu")
+
+
+def test_comm_num_sm_must_leave_sms_for_the_gemms():
+    """Checked against the GPU's SM count at the first expert-parallel call on CUDA."""
+    from moe_fn.layer import check_comm_num_sm
+    check_comm_num_sm(24, 132)
+    with pytest.raises(ValueError, match="comm_num_sm=132 leaves none of this GPU's 132 SMs"):
+        check_comm_num_sm(132, 132)

@@ -221,22 +221,18 @@ class MoELayer(nn.Module):
 
     def _check_optional_tensors(self, router_bias) -> None:
         """The biases the config asks for are there, with their shapes, and no others: a
-        missing one would silently drop a term, an extra one silently add (or be ignored)."""
-        c = self.config
-        e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
-        for name, t, wanted, shape in (
-                ("router.bias", router_bias, c.router_bias, (c.num_experts,)),
-                ("router.e_score_correction_bias", self.router.e_score_correction_bias,
-                 c.score_correction_bias, (c.num_experts,)),
-                # (A view of other modules' experts may not define absent biases at all.)
-                ("experts.gate_up_proj_bias", getattr(self.experts, "gate_up_proj_bias", None),
-                 c.expert_bias, (e_loc, 2 * i)),
-                ("experts.down_proj_bias", getattr(self.experts, "down_proj_bias", None),
-                 c.expert_bias, (e_loc, h))):
+        missing one would silently drop a term, an extra one silently add (or be ignored).
+        (A view of other modules' experts may not define absent biases at all.)"""
+        ex = self.experts
+        found = (router_bias, self.router.e_score_correction_bias,
+                 getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
+        expected = self._optional_tensors()
+        if all(t is None if shape is None else (t is not None and t.shape == shape)
+               for t, (_, _, shape) in zip(found, expected)):
+            return
+        for t, (name, option, shape) in zip(found, expected):
+            wanted = shape is not None
             if (t is not None) != wanted:
-                option = {"router.bias": "router_bias",
-                          "router.e_score_correction_bias": "score_correction_bias"}.get(
-                              name, "expert_bias")
                 raise ValueError(
                     f"{name} is {'missing' if wanted else 'set'} but the config has "
                     f"{option}={wanted}: build the layer from a config with {option}="
@@ -244,6 +240,24 @@ class MoELayer(nn.Module):
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(t.shape)}")
+
+    def _optional_tensors(self) -> tuple:
+        """``(name, config option, shape or None when the config has none)`` per bias."""
+        spec = self.__dict__.get("_optional_spec")
+        if spec is None:
+            c = self.config
+            e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+            spec = tuple((name, option, shape if on else None)
+                         for name, option, on, shape in (
+                             ("router.bias", "router_bias", c.router_bias, (c.num_experts,)),
+                             ("router.e_score_correction_bias", "score_correction_bias",
+                              c.score_correction_bias, (c.num_experts,)),
+                             ("experts.gate_up_proj_bias", "expert_bias", c.expert_bias,
+                              (e_loc, 2 * i)),
+                             ("experts.down_proj_bias", "expert_bias", c.expert_bias,
+                              (e_loc, h))))
+            self.__dict__["_optional_spec"] = spec  # the config is frozen: computed once
+        return spec
 
     def _explain_parameters(self, x, params, bias) -> None:
         for name, p, shape in zip(self._PARAMS, params, self._param_shapes()):

@@ -417,17 +417,17 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
         self._check_parameters(x)
+        shape = x.shape
+        x2 = x.reshape(-1, c.hidden_size)
+        region = current_region()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capturable(region)
         if (self.exchange.ep_size > 1
                 and getattr(self, "_ranks_agree_on", None) != (x.dtype, x.device)):
             if x.is_cuda:
                 check_comm_num_sm(c.comm_num_sm,
                                   torch.cuda.get_device_properties(x.device).multi_processor_count)
             self._check_ranks_agree(x)
-        shape = x.shape
-        x2 = x.reshape(-1, c.hidden_size)
-        region = current_region()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._check_capturable(region)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region)
         else:

@@ -120,10 +120,6 @@ class MoEConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_groups()
-        if self.norm_topk_prob and self.score_func == "softmax_topk":
-            raise ValueError("norm_topk_prob=True does nothing with score_func='softmax_topk' "
-                             "(its weights, a softmax over the chosen experts, already sum to "
-                             "1): leave norm_topk_prob=False")
         r = self.routed_scaling_factor
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
             raise ValueError(f"routed_scaling_factor must be a positive finite number, got {r!r}")
@@ -139,9 +135,11 @@ class MoEConfig:
     def _check_groups(self):
         e, g = self.num_experts, self.n_group
         if e % g:
-            raise ValueError(f"n_group ({g}) must divide num_experts ({e})")
+            raise ValueError(f"n_group ({g}) must divide num_experts ({e}): use a divisor of "
+                             f"{e}, or n_group=1 for no expert groups")
         if self.topk_group > g:
-            raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({g})")
+            raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({g}): "
+                             f"keep at most {g} groups")
         if g > 1 and self.top_k > self.topk_group * (e // g):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the experts of the {self.topk_group} chosen "
@@ -178,17 +176,20 @@ class MoEConfig:
                     f"ranks, got ep_size={self.ep_size}: use all_to_all_transport='collective'")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
-                             f"({self.num_experts})")
+                             f"({self.num_experts}): each rank owns num_experts/ep_size "
+                             "experts; use a divisor")
         if self.comm_backend == "local" and self.ep_size != 1:
             raise ValueError(f"comm_backend='local' moves no rows between ranks, so ep_size must "
                              f"be 1 (got {self.ep_size}); use 'all_to_all' or 'deepep'")
         if self.comm_backend == "deepep":
             if self.ep_size not in DEEPEP_INTRANODE_SIZES:
                 raise ValueError(f"comm_backend='deepep' supports ep_size in "
-                                 f"{DEEPEP_INTRANODE_SIZES} (intranode), got {self.ep_size}")
+                                 f"{DEEPEP_INTRANODE_SIZES} (intranode), got {self.ep_size}: "
+                                 "use one of those, or comm_backend='all_to_all'")
             if self.comm_num_sm % 2:
                 raise ValueError(f"comm_num_sm must be even for DeepEP (it runs comm_num_sm/2 "
-                                 f"channels), got {self.comm_num_sm}")
+                                 f"channels), got {self.comm_num_sm}: use "
+                                 f"{self.comm_num_sm + 1}")
             if (self.hidden_size * 2) % 16 or self.hidden_size > DEEPEP_MAX_HIDDEN:
                 raise ValueError(
                     f"DeepEP cannot carry hidden_size={self.hidden_size}: bf16 rows must be a "

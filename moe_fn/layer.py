@@ -114,10 +114,12 @@ class MoELayer(nn.Module):
     Rank r of the expert-parallel group (``process_group``, default the world group when
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
     Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
-    local and all_to_all exchanges with ``combine_impl="fused"`` they enter the combine's
-    sum at home (one fused pass, nothing extra sent); on the token-once exchanges (DeepEP,
-    ``all_to_all_dedup``) with ``row_weighting_impl="fused"`` they enter the expert side's
-    per-token sum; elsewhere they scale the expert rows before a plain-sum combine.
+    local exchange and all_to_all over its collective transport with
+    ``combine_impl="fused"`` they enter the combine's sum at home (one fused pass, nothing
+    extra sent); on the token-once exchanges (DeepEP, ``all_to_all_dedup``) with
+    ``row_weighting_impl="fused"``, and over ``all_to_all_transport="symm_mem"`` with fused
+    row weighting or the fused combine, they enter the expert side's per-token (float32)
+    sum; elsewhere they scale the expert rows before a plain-sum combine.
     """
 
     def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):

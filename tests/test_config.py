@@ -58,7 +58,6 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(activation="swiglu_oai", activation_alpha="1.5"), "activation_alpha must be a number"),
     (dict(activation="swiglu_oai", activation_alpha=torch.tensor(1.0)),
      "activation_alpha must be a number"),
-    (dict(score_func="softmax_topk", norm_topk_prob=True), "leave norm_topk_prob=False"),
     (dict(comm_backend="deepep", ep_size=2, num_experts=512),
      r"at most 128 experts per rank, got 256.*up to 8\) or use comm_backend='all_to_all'"),
 ])

@@ -222,6 +222,15 @@ class _ReplayCheckpointLayer:
         if fn is not None and not getattr(fn, "moe_fn_replay", False):
             if reentrant is not None:
                 fn = wrap_checkpoint(fn, use_reentrant=reentrant)
+                if not reentrant and any(m.moe_layer.config.skip_recompute_combine
+                                         for m in self.modules()
+                                         if isinstance(m, ConvertedBlock)):
+                    # The contract: the skip runs in reentrant recomputes only. Said once
+                    # here, where a default mode picked by transformers would hide it.
+                    warnings.warn(
+                        "skip_recompute_combine=True does not apply under a non-reentrant "
+                        "checkpoint (replay still runs): pass gradient_checkpointing_kwargs="
+                        "{'use_reentrant': True} to checkpoint reentrantly", stacklevel=3)
             else:
                 self._unreadable_checkpoint(fn)
         self.__dict__["_moe_fn_ckpt_func"] = fn

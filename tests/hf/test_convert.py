@@ -337,3 +337,15 @@ def test_convert_argument_types():
     assert converted_blocks(model) == []
     with pytest.raises(TypeError, match="model must be an nn.Module, got int"):
         gather_expert_state_dict(3)
+
+
+def test_skip_under_a_non_reentrant_hf_checkpoint_warns():
+    """The skip applies to reentrant recomputes only: said when HF's checkpoint function is
+    non-reentrant (transformers picks that mode when no kwargs are given), not left silent."""
+    _, conv = _pair("olmoe", skip_recompute_combine=True)
+    with pytest.warns(UserWarning, match="skip_recompute_combine=True does not apply"):
+        conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

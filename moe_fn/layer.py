@@ -139,6 +139,9 @@ class MoELayer(nn.Module):
         self.router = MoERouter(config, device=device, dtype=dtype)
         self.experts = MoEExperts(config, device=device, dtype=dtype)
         self.reset_parameters()
+        # What the parameters and biases must be (the config is frozen: computed once).
+        self._param_shapes = self._expected_param_shapes(config)
+        self._bias_spec = self._expected_biases(config)
         # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.
         self._ranks_agree_on = None
 
@@ -198,12 +201,23 @@ class MoELayer(nn.Module):
 
     _PARAMS = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
 
-    def _param_shapes(self) -> tuple:
-        """The shapes of ``_PARAMS`` this config needs."""
-        c = self.config
+    @staticmethod
+    def _expected_param_shapes(c: MoEConfig) -> tuple:
+        """The shapes of ``_PARAMS`` a config needs."""
         return ((c.num_experts, c.hidden_size),
                 (c.num_local_experts, 2 * c.intermediate_size, c.hidden_size),
                 (c.num_local_experts, c.hidden_size, c.intermediate_size))
+
+    @staticmethod
+    def _expected_biases(c: MoEConfig) -> tuple:
+        """``(name, config option, shape or None when the config has none)`` per bias."""
+        e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
+        return tuple((name, option, shape if on else None) for name, option, on, shape in (
+            ("router.bias", "router_bias", c.router_bias, (c.num_experts,)),
+            ("router.e_score_correction_bias", "score_correction_bias",
+             c.score_correction_bias, (c.num_experts,)),
+            ("experts.gate_up_proj_bias", "expert_bias", c.expert_bias, (e_loc, 2 * i)),
+            ("experts.down_proj_bias", "expert_bias", c.expert_bias, (e_loc, h))))
 
     def _check_parameters(self, x) -> None:
         """The parameters against the config and ``x`` (a module's parameters can be
@@ -215,20 +229,20 @@ class MoELayer(nn.Module):
         dt, dev = x.dtype, x.device
         if (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
                 and gu.device == dev and dn.device == dev and w.device == dev
-                and (w.shape, gu.shape, dn.shape) == self._param_shapes()
+                and (w.shape, gu.shape, dn.shape) == self._param_shapes
                 and (b is None or (b.dtype == w.dtype and b.device == dev))):
-            self._check_optional_tensors(b)
+            self._check_biases(b)
             return
         self._explain_parameters(x, (w, gu, dn), b)
 
-    def _check_optional_tensors(self, router_bias) -> None:
+    def _check_biases(self, router_bias) -> None:
         """The biases the config asks for are there, with their shapes, and no others: a
         missing one would silently drop a term, an extra one silently add (or be ignored).
         (A view of other modules' experts may not define absent biases at all.)"""
         ex = self.experts
         found = (router_bias, self.router.e_score_correction_bias,
                  getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
-        expected = self._optional_tensors()
+        expected = self._bias_spec
         if all(t is None if shape is None else (t is not None and t.shape == shape)
                for t, (_, _, shape) in zip(found, expected)):
             return
@@ -243,26 +257,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(t.shape)}")
 
-    def _optional_tensors(self) -> tuple:
-        """``(name, config option, shape or None when the config has none)`` per bias."""
-        spec = self.__dict__.get("_optional_spec")
-        if spec is None:
-            c = self.config
-            e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
-            spec = tuple((name, option, shape if on else None)
-                         for name, option, on, shape in (
-                             ("router.bias", "router_bias", c.router_bias, (c.num_experts,)),
-                             ("router.e_score_correction_bias", "score_correction_bias",
-                              c.score_correction_bias, (c.num_experts,)),
-                             ("experts.gate_up_proj_bias", "expert_bias", c.expert_bias,
-                              (e_loc, 2 * i)),
-                             ("experts.down_proj_bias", "expert_bias", c.expert_bias,
-                              (e_loc, h))))
-            self.__dict__["_optional_spec"] = spec  # the config is frozen: computed once
-        return spec
-
     def _explain_parameters(self, x, params, bias) -> None:
-        for name, p, shape in zip(self._PARAMS, params, self._param_shapes()):
+        for name, p, shape in zip(self._PARAMS, params, self._param_shapes):
             if tuple(p.shape) != shape:
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(p.shape)}")
@@ -425,7 +421,7 @@ class MoELayer(nn.Module):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             self._check_capturable(region)
         if (self.exchange.ep_size > 1
-                and getattr(self, "_ranks_agree_on", None) != (x.dtype, x.device)):
+                and self._ranks_agree_on != (x.dtype, x.device)):
             if x.is_cuda:
                 check_comm_num_sm(c.comm_num_sm,
                                   torch.cuda.get_device_properties(x.device).multi_processor_count)

@@ -236,20 +236,21 @@ class _ReplayCheckpointLayer:
         self.__dict__["_moe_fn_ckpt_func"] = fn
 
     def _unreadable_checkpoint(self, fn):
-        needs = _replay_needs(m.moe_layer.config for m in self.modules()
-                              if isinstance(m, ConvertedBlock))
-        what, fix = _unreadable_text(fn)
+        needs = _replay_needs((m.moe_layer.config.skip_recompute_combine,
+                               m.moe_layer.config.recompute_in_checkpoint)
+                              for m in self.modules() if isinstance(m, ConvertedBlock))
         if needs:
             raise ValueError(_unreadable_refusal(fn, needs))
+        what, fix = _unreadable_text(fn)
         warnings.warn(f"{what}: {fix}", stacklevel=3)
 
 
-def _replay_needs(configs) -> list[str]:
-    """The options among ``configs`` that only a replaying checkpoint honours."""
-    return sorted({opt for c in configs
-                   for opt, on in (("skip_recompute_combine=True", c.skip_recompute_combine),
-                                   ("recompute_in_checkpoint=False",
-                                    not c.recompute_in_checkpoint))
+def _replay_needs(settings) -> list[str]:
+    """Among ``(skip_recompute_combine, recompute_in_checkpoint)`` settings, the options
+    that only a replaying checkpoint honours."""
+    return sorted({opt for skip, recompute in settings
+                   for opt, on in (("skip_recompute_combine=True", skip),
+                                   ("recompute_in_checkpoint=False", not recompute))
                    if on})
 
 
@@ -439,10 +440,8 @@ def _check_checkpoint_functions(model: nn.Module, block_names, options: dict) ->
     """Refuse, before anything is converted, options that need the replay when a decoder
     layer already holds a checkpoint function whose reentrancy cannot be read (converting
     first would leave the model half converted)."""
-    needs = [opt for opt, on in (
-        ("skip_recompute_combine=True", options.get("skip_recompute_combine", False)),
-        ("recompute_in_checkpoint=False", options.get("recompute_in_checkpoint") is False))
-        if on]
+    needs = _replay_needs([(options.get("skip_recompute_combine", False),
+                            options.get("recompute_in_checkpoint", True))])
     if not needs:
         return
     for name in block_names:

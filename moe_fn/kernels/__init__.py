@@ -20,6 +20,8 @@ the exchanges' layout halves around their host sync, ``peer_home_side`` /
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..pure import dispatch as _pure_dispatch
@@ -176,13 +178,12 @@ def router_linear_fwd(h, weight, lin_bias=None, bias=None, *, top_k: int,
     from ``F.linear``'s in the last bit."""
     pure = _pure_router
     if not router_linear_supported(h, weight, lin_bias, n_group):
-        logits = torch.nn.functional.linear(h, weight, lin_bias)
-        (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
-                                   norm_topk_prob=norm_topk_prob, n_group=n_group,
-                                   topk_group=topk_group, group_score=group_score,
-                                   routed_scaling_factor=routed_scaling_factor,
-                                   topk_idx=topk_idx)
-        return logits, (idx, w), pure.RouterLinearRes(h, weight, lin_bias is not None, res)
+        return pure.router_linear_fwd(h, weight, lin_bias, bias, top_k=top_k,
+                                      score_func=score_func, norm_topk_prob=norm_topk_prob,
+                                      n_group=n_group, topk_group=topk_group,
+                                      group_score=group_score,
+                                      routed_scaling_factor=routed_scaling_factor,
+                                      topk_idx=topk_idx, route_impl=sys.modules[__name__])
     num_experts = weight.shape[0]
     pure.router_validate(num_experts, top_k=top_k, score_func=score_func,
                          norm_topk_prob=norm_topk_prob, n_group=n_group,

@@ -221,14 +221,16 @@ class RouterLinearRes(NamedTuple):
 def router_linear_fwd(x, weight, lin_bias=None, bias=None, *, top_k: int,
                       score_func: str = "softmax", norm_topk_prob: bool = False,
                       n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
-                      routed_scaling_factor: float = 1.0, topk_idx=None):
+                      routed_scaling_factor: float = 1.0, topk_idx=None, route_impl=None):
     """The router's linear ``logits = x @ weight^T (+ lin_bias)``, then :func:`router_fwd`
-    on the logits. Returns ``(logits, (topk_idx, topk_weight), RouterLinearRes)``."""
+    on the logits (``route_impl.router_fwd`` when given: ``moe_fn.kernels`` for its kernel).
+    Returns ``(logits, (topk_idx, topk_weight), RouterLinearRes)``."""
     logits = torch.nn.functional.linear(x, weight, lin_bias)
-    (idx, w), res = router_fwd(logits, bias, top_k=top_k, score_func=score_func,
-                               norm_topk_prob=norm_topk_prob, n_group=n_group,
-                               topk_group=topk_group, group_score=group_score,
-                               routed_scaling_factor=routed_scaling_factor, topk_idx=topk_idx)
+    route = router_fwd if route_impl is None else route_impl.router_fwd
+    (idx, w), res = route(logits, bias, top_k=top_k, score_func=score_func,
+                          norm_topk_prob=norm_topk_prob, n_group=n_group,
+                          topk_group=topk_group, group_score=group_score,
+                          routed_scaling_factor=routed_scaling_factor, topk_idx=topk_idx)
     return logits, (idx, w), RouterLinearRes(x, weight, lin_bias is not None, res)
 
 

@@ -214,11 +214,14 @@ class _ReplayCheckpointLayer:
 
     @property
     def _gradient_checkpointing_func(self):
+        if self.gradient_checkpointing:  # HF reads it only to checkpoint
+            self._judge_checkpoint()
         return self.__dict__.get("_moe_fn_ckpt_func")
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, fn):
         reentrant = _use_reentrant(fn)
+        unread = False
         if fn is not None and not getattr(fn, "moe_fn_replay", False):
             if reentrant is not None:
                 fn = wrap_checkpoint(fn, use_reentrant=reentrant)
@@ -232,8 +235,28 @@ class _ReplayCheckpointLayer:
                         "checkpoint (replay still runs): pass gradient_checkpointing_kwargs="
                         "{'use_reentrant': True} to checkpoint reentrantly", stacklevel=3)
             else:
-                self._unreadable_checkpoint(fn)
+                unread = True
         self.__dict__["_moe_fn_ckpt_func"] = fn
+        self.__dict__["_moe_fn_ckpt_unread"] = unread
+
+    # HF assigns the function before the flag, and on disable assigns its bare default
+    # function while the flag is still on: a function whose mode cannot be read is judged
+    # when checkpointing is switched on or used, so disabling is quiet and enabling still
+    # refuses before a step.
+    @property
+    def gradient_checkpointing(self):
+        return self.__dict__.get("_moe_fn_ckpt_on", False)
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on):
+        self.__dict__["_moe_fn_ckpt_on"] = on
+        if on:
+            self._judge_checkpoint()
+
+    def _judge_checkpoint(self):
+        if self.__dict__.get("_moe_fn_ckpt_unread"):
+            self.__dict__["_moe_fn_ckpt_unread"] = False  # warned once per function
+            self._unreadable_checkpoint(self.__dict__["_moe_fn_ckpt_func"])
 
     def _unreadable_checkpoint(self, fn):
         needs = _replay_needs((m.moe_layer.config.skip_recompute_combine,
@@ -286,8 +309,10 @@ def _enable_replay(model: nn.Module, block_name: str) -> None:
     parent = _checkpoint_layer(model, block_name)
     if parent is not None and not isinstance(parent, _ReplayCheckpointLayer):
         fn = parent.__dict__.pop("_gradient_checkpointing_func", None)
+        on = parent.__dict__.pop("gradient_checkpointing", type(parent).gradient_checkpointing)
         parent.__class__ = _subclass(_ReplayCheckpointLayer, type(parent))
         parent._gradient_checkpointing_func = fn
+        parent.gradient_checkpointing = on
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -297,9 +322,22 @@ def _subclass(mixin: type, base: type) -> type:
     cls = _CLASSES.get((mixin, base))
     if cls is None:
         cls = type(f"MoeFn{base.__name__}", (mixin, base),
-                   {"__module__": __name__, "__doc__": f"{base.__name__} converted by moe_fn.hf."})
+                   {"__module__": __name__, "__doc__": f"{base.__name__} converted by moe_fn.hf.",
+                    "__reduce_ex__": _reduce_made})
         _CLASSES[(mixin, base)] = cls
     return cls
+
+
+def _reduce_made(self, protocol):
+    # The class is made at conversion, so pickle cannot find it by name: an instance is
+    # pickled as its two bases (importable) and its state, and remade from them on load.
+    state = object.__reduce_ex__(self, protocol)[2:]
+    return (_remake, type(self).__bases__) + tuple(state)
+
+
+def _remake(mixin: type, base: type):
+    cls = _subclass(mixin, base)
+    return cls.__new__(cls)
 
 
 def _text_config(config):
@@ -447,8 +485,9 @@ def _check_checkpoint_functions(model: nn.Module, block_names, options: dict) ->
     for name in block_names:
         parent = _checkpoint_layer(model, name)
         fn = None if parent is None else parent.__dict__.get("_gradient_checkpointing_func")
-        if fn is not None and not getattr(fn, "moe_fn_replay", False) \
-                and _use_reentrant(fn) is None:
+        # Only where checkpointing is on: HF's disable leaves its bare default function.
+        if fn is not None and parent.gradient_checkpointing \
+                and not getattr(fn, "moe_fn_replay", False) and _use_reentrant(fn) is None:
             raise ValueError(_unreadable_refusal(fn, needs))
 
 

@@ -345,6 +345,13 @@ class MoELayer(nn.Module):
             overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
                        *self._expert_biases())
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
+        if skip and region.skipped and _reads_skipped_combine(x2):
+            raise ValueError(
+                "skip_recompute_combine=True: in this checkpoint's recompute, an MoE layer's "
+                "input depends on an earlier MoE layer's output in the same checkpoint, whose "
+                "recomputed value is a NaN sentinel (the skip serves only the residual add "
+                "that ends the checkpointed block). Checkpoint one MoE layer per region, or "
+                "set skip_recompute_combine=False (replay alone handles several per region)")
         home_w, fold_w = self._weight_placement(skip)
         sent_w = None if home_w else w
         if entry is None:
@@ -361,6 +368,7 @@ class MoELayer(nn.Module):
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")
+            region.skipped += 1
         else:
             out = Combine.apply(y, self.exchange, handle, w if home_w else None,
                                 row_w if fold_w else None)
@@ -402,6 +410,11 @@ class MoELayer(nn.Module):
         region.record(self, kept=kept)
         return out, logits
 
+    # Under torch.compile the layer runs eagerly (a graph break at its call) and the code
+    # around it compiles: its host-synchronised layouts, exchanges, records and checkpoint
+    # regions are not traceable, and its hot paths are fused Triton kernels already.
+    @torch.compiler.disable(reason="moe_fn.MoELayer runs eagerly under torch.compile (a graph "
+                            "break at its call): compile without fullgraph=True")
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
         c = self.config
         if not isinstance(x, torch.Tensor):
@@ -436,3 +449,22 @@ class MoELayer(nn.Module):
 
 def _keep(t):
     return t
+
+
+def _reads_skipped_combine(x: torch.Tensor) -> bool:
+    """Whether ``x`` was computed from a skipped combine's sentinel: a walk of its autograd
+    graph, bounded by the recompute's detached inputs (run only after a skip in the same
+    recompute, i.e. in regions holding several MoE layers)."""
+    seen, stack = set(), [x.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == _SKIPPED_NODE:
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+_SKIPPED_NODE = SkippedCombine.__name__ + "Backward"

@@ -74,6 +74,7 @@ class ReplayRegion:
         self.entries: list[ReplayEntry] = []
         self.runs = 0
         self.cursor = 0
+        self.skipped = 0  # combines skipped in the current run
 
     @property
     def recording(self) -> bool:
@@ -113,6 +114,7 @@ class ReplayRegion:
     def run(self):
         self.runs += 1
         self.cursor = 0
+        self.skipped = 0
         stack = _stack()
         stack.append(self)
         try:

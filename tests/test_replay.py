@@ -203,6 +203,48 @@ def test_skip_with_output_used_beyond_the_residual_add_gives_non_finite_gradient
     assert not torch.isfinite(b.proj.grad).all()
 
 
+def _two_layers_one_region(skip, chained):
+    model = make_model(_cfg(1, skip_recompute_combine=skip))
+
+    def region(h):
+        if chained:  # Megatron-Core's several layers per region: l1's output feeds l2
+            return model[1](model[0](h))
+        return h + model[0].moe(h @ model[0].proj) + model[1].moe(h @ model[1].proj)
+
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    return model, region, x
+
+
+def test_skip_refuses_chained_moe_layers_in_one_region():
+    """A regression: l1's recomputed NaN sentinel fed l2 and every gradient became NaN with
+    no error. Now refused in the recompute, naming the fix."""
+    _, region, x = _two_layers_one_region(True, chained=True)
+    out = moe_fn.checkpoint(region, x)
+    with pytest.raises(ValueError, match="Checkpoint one MoE layer per region"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("skip,chained", [(True, False), (False, True)],
+                         ids=["skip_parallel", "replay_chained"])
+def test_several_moe_layers_in_one_region_when_valid(skip, chained):
+    """Layers side by side (each output only in the residual add) may skip; chained layers
+    replay without the skip. Both equal the unchecked run."""
+    model, region, x = _two_layers_one_region(skip, chained)
+    want_out = region(x)
+    want_out.sum().backward()
+    want = [x.grad.clone(), *[p.grad.clone() for p in model.parameters()]]
+    x.grad = None
+    model.zero_grad()
+    out = moe_fn.checkpoint(region, x)
+    out.sum().backward()
+    torch.testing.assert_close(out, want_out)
+    for got, w in zip([x.grad, *[p.grad for p in model.parameters()]], want):
+        torch.testing.assert_close(got, w)
+    counters = [b.moe.exchange.counters for b in model]
+    assert all(c["cached_dispatch"] == 1 and c["layout"] == 2 for c in counters)
+    assert all(c["combine_skipped"] == int(skip) for c in counters)
+
+
 def test_skip_with_output_written_in_place_raises():
     """The sentinel is one NaN row broadcast: an in-place write into it fails at once."""
     cfg = _cfg(1, skip_recompute_combine=True)

@@ -108,7 +108,9 @@ def launch(kernel, grid, *args, tune_key=(), **params):
     runtime key values the caller passes as ``tune_key`` so that each keeps its own
     config. Mutable globals a kernel reads are not re-checked on the fast path (Triton
     checks them per launch); moe_fn's kernels read none."""
-    if not ENABLED or not torch.cuda.is_available():
+    # is_initialized, not is_available: a launch on CUDA tensors has initialised CUDA, and
+    # is_available asks the driver (and reads the environment) on every call, ~5 us here.
+    if not ENABLED or not torch.cuda.is_initialized():
         return _slow(kernel, grid, args, params)
     keys = tuple([_arg_key(a) for a in args])
     if ... in keys or _hooks_set():

@@ -77,7 +77,7 @@ class FakeTuner(FakeKernel):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """The launcher's view of a CUDA device, on the CPU."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     monkeypatch.setattr(_launch, "_CACHE", {})

@@ -158,18 +158,26 @@ def _check_reentrant(use_reentrant) -> None:
         raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}")
 
 
+class _ReplayCheckpoint:
+    """``checkpoint_fn`` giving each call a ReplayRegion (an object, not a closure, so that a
+    model holding it, as a converted HF layer does, pickles)."""
+
+    moe_fn_replay = True
+
+    def __init__(self, checkpoint_fn, use_reentrant: bool):
+        functools.update_wrapper(self, checkpoint_fn)
+        self.checkpoint_fn, self.use_reentrant = checkpoint_fn, use_reentrant
+
+    def __call__(self, fn, *args, **kwargs):
+        return self.checkpoint_fn(_in_new_region(fn, reentrant=self.use_reentrant), *args,
+                                  **kwargs)
+
+
 def wrap_checkpoint(checkpoint_fn, *, use_reentrant: bool):
     """Wrap a checkpoint function (``checkpoint_fn(fn, *args, **kw)``) so that each call gets
     a ReplayRegion. ``use_reentrant`` must say what ``checkpoint_fn`` does."""
-
     _check_reentrant(use_reentrant)
-
-    @functools.wraps(checkpoint_fn)
-    def wrapped(fn, *args, **kwargs):
-        return checkpoint_fn(_in_new_region(fn, reentrant=use_reentrant), *args, **kwargs)
-
-    wrapped.moe_fn_replay = True
-    return wrapped
+    return _ReplayCheckpoint(checkpoint_fn, use_reentrant)
 
 
 def checkpoint(fn, *args, use_reentrant: bool = True, **kwargs):

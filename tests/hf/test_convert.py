@@ -346,10 +346,17 @@ def test_checkpointing_can_be_disabled_quietly(option, disable):
 def test_converted_model_pickles_and_loads_in_a_fresh_process(tmp_path):
     """The converted classes are made at conversion; a pickled model loads where they were
     never made (a new interpreter) and computes what it did."""
+    import functools
     import subprocess
     import sys
 
-    _, conv = _pair("qwen3_moe")
+    _, conv = _pair("qwen3_moe", skip_recompute_combine=True)
+    # Checkpointing on as HF's enable sets it per layer (the enable itself also adds an input
+    # hook of transformers' that is a local function, which no pickle takes).
+    for layer in conv.model.layers:
+        layer._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=True)
+        layer.gradient_checkpointing = True
     ids, _ = batch()
     # Saved before any forward: transformers' output-capturing hooks (local functions, not
     # moe_fn's) make a model that has run unpicklable. Compared by logits without router
@@ -361,7 +368,9 @@ def test_converted_model_pickles_and_loads_in_a_fresh_process(tmp_path):
         "import torch\n"
         f"m = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
         f"ids, want = torch.load({str(tmp_path / 'io.pt')!r})\n"
-        "assert type(m.model.layers[0]).__name__.startswith('MoeFn'), type(m.model.layers[0])\n"
+        "layer = m.model.layers[0]\n"
+        "assert type(layer).__name__.startswith('MoeFn'), type(layer)\n"
+        "assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.moe_fn_replay\n"
         "got = m(input_ids=ids, use_cache=False).logits\n"
         "assert torch.equal(got, want), (got - want).abs().max()\n"
         "print('ok')\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -144,6 +145,8 @@ class MoELayer(nn.Module):
         self._bias_spec = self._expected_biases(config)
         # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.
         self._ranks_agree_on = None
+        # Said once per layer: a non-reentrant recompute replays but cannot skip.
+        self.skip_mode_warned = False
 
     @property
     def ep_rank(self) -> int:
@@ -345,6 +348,12 @@ class MoELayer(nn.Module):
             overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
                        *self._expert_biases())
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
+        if (entry is not None and c.skip_recompute_combine and not region.reentrant
+                and not self.skip_mode_warned):
+            self.skip_mode_warned = True
+            warnings.warn("skip_recompute_combine=True does not apply under a non-reentrant "
+                          "checkpoint (replay still runs): checkpoint reentrantly, as "
+                          "moe_fn.checkpoint(fn, *args) does by default", stacklevel=2)
         if skip and region.skipped and _reads_skipped_combine(x2):
             raise ValueError(
                 "skip_recompute_combine=True: in this checkpoint's recompute, an MoE layer's "

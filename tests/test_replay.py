@@ -136,6 +136,7 @@ def _check_cases(world, rank=0, **exchange_kw):
     assert routes_changed
 
 
+@pytest.mark.filterwarnings("ignore:skip_recompute_combine=True does not apply")
 def test_replay_matches_unchecked_single_process():
     _check_cases(1)
 
@@ -147,6 +148,7 @@ def _ep_body(rank, world):
 
 
 @pytest.mark.multiproc
+@pytest.mark.filterwarnings("ignore:skip_recompute_combine=True does not apply")
 def test_replay_matches_unchecked_expert_parallel():
     run_distributed(_ep_body, 2)
 
@@ -201,6 +203,25 @@ def test_skip_with_output_used_beyond_the_residual_add_gives_non_finite_gradient
     moe_fn.checkpoint(misuse, x).sum().backward()
     assert not torch.isfinite(x.grad).all()
     assert not torch.isfinite(b.proj.grad).all()
+
+
+def test_skip_under_a_non_reentrant_checkpoint_warns_once_per_layer():
+    """The skip needs a reentrant recompute; moe_fn.checkpoint(use_reentrant=False) replays
+    without it, and says so once (as the HF path does when it is enabled)."""
+    import warnings
+
+    model = make_model(_cfg(1, skip_recompute_combine=True))
+    x = torch.randn(6, H, requires_grad=True)
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            moe_fn.checkpoint(lambda h: model[1](model[0](h)), x,
+                              use_reentrant=False).sum().backward()
+        said = [w for w in caught if "does not apply under a non-reentrant" in str(w.message)]
+        assert len(said) == (2 if step == 0 else 0)  # one per layer, first step only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe_fn.checkpoint(model[1], moe_fn.checkpoint(model[0], x)).sum().backward()
 
 
 def _two_layers_one_region(skip, chained):

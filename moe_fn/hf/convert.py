@@ -225,11 +225,15 @@ class _ReplayCheckpointLayer:
         if fn is not None and not getattr(fn, "moe_fn_replay", False):
             if reentrant is not None:
                 fn = wrap_checkpoint(fn, use_reentrant=reentrant)
-                if not reentrant and any(m.moe_layer.config.skip_recompute_combine
-                                         for m in self.modules()
-                                         if isinstance(m, ConvertedBlock)):
+                skipping = [m.moe_layer for m in self.modules()
+                            if isinstance(m, ConvertedBlock)
+                            and m.moe_layer.config.skip_recompute_combine]
+                if not reentrant and skipping:
                     # The contract: the skip runs in reentrant recomputes only. Said once
-                    # here, where a default mode picked by transformers would hide it.
+                    # here, where a default mode picked by transformers would hide it (and
+                    # so not again by the layers at their first recompute).
+                    for layer in skipping:
+                        layer.skip_mode_warned = True
                     warnings.warn(
                         "skip_recompute_combine=True does not apply under a non-reentrant "
                         "checkpoint (replay still runs): pass gradient_checkpointing_kwargs="

@@ -21,6 +21,10 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(activation="swiglu", activation_alpha=1.0),
      "activation_alpha is only used by 'swiglu_oai'.*activation_alpha=None"),
     (dict(activation="swiglu_oai", activation_limit=-1.0), "activation_limit must be"),
+    # Past float32's range the float32 activation math overflows (a clamp refused it).
+    (dict(activation="swiglu_clamped", activation_limit=1e300),
+     "activation_limit must be.*at most"),
+    (dict(activation="swiglu_oai", activation_alpha=-1e39), "activation_alpha must be.*at most"),
     (dict(gate_up_layout="rows"), "gate_up_layout"),
     (dict(score_func="relu"), "score_func"),
     (dict(n_group=3), "n_group"),

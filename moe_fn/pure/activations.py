@@ -34,6 +34,7 @@ DEFAULT_ALPHA = 1.702
 DEFAULT_LIMIT = 7.0
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_K = 0.044715
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def resolve_activation(activation, alpha=None, limit=None) -> tuple[int, float, float]:
@@ -57,10 +58,14 @@ def resolve_activation(activation, alpha=None, limit=None) -> tuple[int, float, 
             raise ValueError(f"{name} must be a number (int or float) or None, got {v!r}")
     alpha = float(DEFAULT_ALPHA if alpha is None else alpha) if uses_alpha else 0.0
     limit = float(DEFAULT_LIMIT if limit is None else limit) if uses_limit else 0.0
-    if uses_limit and not (limit > 0 and math.isfinite(limit)):
-        raise ValueError(f"limit must be a positive finite number, got {limit}")
-    if uses_alpha and not math.isfinite(alpha):
-        raise ValueError(f"alpha must be finite, got {alpha}")
+    # The activations compute in float32 for 16- and 32-bit inputs: a constant past its
+    # range overflows there (a clamp refuses it, a product gives inf).
+    if uses_limit and not (0 < limit <= _F32_MAX):
+        raise ValueError(f"limit must be a positive finite number at most {_F32_MAX:.4g} "
+                         f"(float32's largest, the activations' compute precision), got {limit}")
+    if uses_alpha and not abs(alpha) <= _F32_MAX:
+        raise ValueError(f"alpha must be finite and at most {_F32_MAX:.4g} in magnitude "
+                         f"(float32's largest, the activations' compute precision), got {alpha}")
     return ACT_ID[activation], alpha, limit
 
 

@@ -253,14 +253,16 @@ class _ReplayCheckpointLayer:
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, on):
-        self.__dict__["_moe_fn_ckpt_on"] = on
-        if on:
+        if on:  # a refused function leaves the flag as it was
             self._judge_checkpoint()
+        self.__dict__["_moe_fn_ckpt_on"] = on
 
     def _judge_checkpoint(self):
         if self.__dict__.get("_moe_fn_ckpt_unread"):
-            self.__dict__["_moe_fn_ckpt_unread"] = False  # warned once per function
+            # Raises while the layer's options need the replay (at every use, so a caught
+            # refusal does not let a later step through); otherwise warns, once.
             self._unreadable_checkpoint(self.__dict__["_moe_fn_ckpt_func"])
+            self.__dict__["_moe_fn_ckpt_unread"] = False
 
     def _unreadable_checkpoint(self, fn):
         needs = _replay_needs((m.moe_layer.config.skip_recompute_combine,
@@ -327,7 +329,7 @@ def _subclass(mixin: type, base: type) -> type:
     if cls is None:
         cls = type(f"MoeFn{base.__name__}", (mixin, base),
                    {"__module__": __name__, "__doc__": f"{base.__name__} converted by moe_fn.hf.",
-                    "__reduce_ex__": _reduce_made})
+                    "__reduce_ex__": _reduce_made, "_moe_fn_made": (mixin, base)})
         _CLASSES[(mixin, base)] = cls
     return cls
 
@@ -335,8 +337,10 @@ def _subclass(mixin: type, base: type) -> type:
 def _reduce_made(self, protocol):
     # The class is made at conversion, so pickle cannot find it by name: an instance is
     # pickled as its two bases (importable) and its state, and remade from them on load.
-    state = object.__reduce_ex__(self, protocol)[2:]
-    return (_remake, type(self).__bases__) + tuple(state)
+    # A subclass of it (FSDP2's, say) is pickled as Python pickles any class.
+    reduced = object.__reduce_ex__(self, protocol)
+    made = type(self).__dict__.get("_moe_fn_made")
+    return reduced if made is None else (_remake, made) + tuple(reduced[2:])
 
 
 def _remake(mixin: type, base: type):

@@ -91,10 +91,13 @@ def _act_bwd_math(g, u, alpha, limit, ACT: tl.constexpr):
     elif ACT == 2:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
-        s = _sigmoid(alpha * gc)
+        t = alpha * gc
+        s = _sigmoid(t)
         glu = gc * s
         a = (uc + 1.0) * glu
-        dg = ((uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s))) * (g <= limit).to(tl.float32)
+        # Where alpha * gc overflows the sigmoid is flat: its term is 0, not inf * 0.
+        ts = tl.where(tl.abs(t) < float("inf"), t * (1.0 - s), 0.0)
+        dg = ((uc + 1.0) * s * (1.0 + ts)) * (g <= limit).to(tl.float32)
         du = glu * ((u >= -limit) & (u <= limit)).to(tl.float32)
     else:
         # With s = sigmoid(2 z) = (1 + tanh z) / 2 and sm = sigmoid(-2 z) = 1 - s:

@@ -58,8 +58,8 @@ def resolve_activation(activation, alpha=None, limit=None) -> tuple[int, float, 
             raise ValueError(f"{name} must be a number (int or float) or None, got {v!r}")
     alpha = float(DEFAULT_ALPHA if alpha is None else alpha) if uses_alpha else 0.0
     limit = float(DEFAULT_LIMIT if limit is None else limit) if uses_limit else 0.0
-    # The activations compute in float32 for 16- and 32-bit inputs: a constant past its
-    # range overflows there (a clamp refuses it, a product gives inf).
+    # The activations compute in float32 for 16- and 32-bit inputs, where a clamp refuses
+    # a bound past float32's range.
     if uses_limit and not (0 < limit <= _F32_MAX):
         raise ValueError(f"limit must be a positive finite number at most {_F32_MAX:.4g} "
                          f"(float32's largest, the activations' compute precision), got {limit}")
@@ -114,11 +114,14 @@ def act_value_and_grads(g, u, act_id: int, alpha: float, limit: float, *, grads:
     if act_id == ACT_ID["swiglu_oai"]:
         gc = g.clamp(max=limit)
         uc = u.clamp(min=-limit, max=limit)
-        s = torch.sigmoid(alpha * gc)
+        t = alpha * gc
+        s = torch.sigmoid(t)
         glu = gc * s
         if not grads:
             return (uc + 1) * glu, None, None
-        dg = ((uc + 1) * s * (1 + alpha * gc * (1 - s))) * (g <= limit)
+        # Where alpha * gc overflows the sigmoid is flat: its term is 0, not inf * 0.
+        ts = torch.where(torch.isinf(t), 0.0, t * (1 - s))
+        dg = ((uc + 1) * s * (1 + ts)) * (g <= limit)
         du = glu * ((u >= -limit) & (u <= limit))
         return (uc + 1) * glu, dg, du
     if act_id == ACT_ID["geglu_tanh"]:

@@ -310,8 +310,12 @@ def test_unreadable_checkpoint_function_is_refused_where_options_need_replay():
     # Assigned while checkpointing is on: refused at its first use, before the step runs.
     _, on = _pair("olmoe", ckpt=True, skip_recompute_combine=True)
     on.model.layers[0]._gradient_checkpointing_func = custom_checkpoint
-    with pytest.raises(ValueError, match="skip_recompute_combine=True would be ignored"):
-        run(on, *batch())
+    for _ in range(2):  # refused at every use: a caught refusal lets no later step through
+        with pytest.raises(ValueError, match="skip_recompute_combine=True would be ignored"):
+            run(on, *batch())
+    # A refused enable leaves the flag off: the layer runs unchecked, not silently without
+    # the replay its options need.
+    assert not decoder.gradient_checkpointing
     _, plain = _pair("olmoe")
     plain.model.layers[0]._gradient_checkpointing_func = custom_checkpoint
     with pytest.warns(UserWarning, match="cannot tell whether the checkpoint function"):
@@ -341,6 +345,17 @@ def test_checkpointing_can_be_disabled_quietly(option, disable):
         assert (counters["layout"], counters["cached_dispatch"], counters["combine"]) == (1, 0, 1)
     conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert all(layer.gradient_checkpointing for layer in conv.model.layers)
+
+
+def test_a_subclass_of_a_converted_class_copies_as_itself():
+    """FSDP2 (and users) subclass the classes made at conversion: copies keep the subclass
+    (a regression rebuilt the made class from a subclass's bases, or failed)."""
+    _, conv = _pair("olmoe")
+    layer = conv.model.layers[0]
+    sub = type("Sub", (type(layer),), {})
+    layer.__class__ = sub
+    assert type(copy.deepcopy(layer)) is sub
+    assert type(copy.deepcopy(conv.model.layers[1])) is type(conv.model.layers[1])
 
 
 def test_converted_model_pickles_and_loads_in_a_fresh_process(tmp_path):

@@ -191,6 +191,23 @@ def test_empty(n, i):
     assert dw.shape == (n,) and bool((dw == 0).all())
 
 
+@pytest.mark.parametrize("alpha", [3.0e38, -3.0e38])
+def test_oai_gate_gradient_where_alpha_times_gate_overflows(alpha):
+    """alpha * g past float32's range: the sigmoid is flat there, so the gate gradient is
+    finite and equals float64's (a regression gave inf * 0 = NaN), kernel and pure alike."""
+    _interp_required()
+    act_id, alpha, limit = P.resolve_activation("swiglu_oai", alpha=alpha)
+    g = torch.tensor([[-2.0, -1e-39, 0.0, 0.5, 2.0, 9.0]])
+    u = torch.ones_like(g)
+    dh = torch.ones_like(g)
+    want = P.act_value_and_grads(g.double(), u.double(), act_id, alpha, limit, grads=True)[1]
+    pure = P.act_value_and_grads(g, u, act_id, alpha, limit, grads=True)[1]
+    kern = K.launch_swiglu_bwd(g, u, None, dh, act_id, alpha, limit)[0]
+    for got in (pure, kern):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
 def test_rejects_float64():
     g = torch.randn(3, 4, dtype=torch.float64)
     with pytest.raises(TypeError, match="float16/bfloat16/float32"):

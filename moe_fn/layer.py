@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional, kernels
+from ._checks import FLOAT_DTYPES
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
@@ -127,8 +128,7 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32,
-                                               torch.float64):
+        if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "

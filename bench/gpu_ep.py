@@ -286,6 +286,8 @@ def recompute_bench(have_deepep, results, tokens, reps):
         # Diagnostics: a failure of one must not cost the other or the sections after.
         for name, diagnostic in (
                 ("phases", lambda: recompute_phases(backend, layers, x, dy, 2 * reps, results)),
+                ("phases busy", lambda: recompute_phases(backend, layers, x, dy, 2 * reps,
+                                                         results, busy_ms=1.0)),
                 ("kernels", lambda: recompute_kernels(
                     backend, [lambda lay=lay: step(lay) for lay in layers], results))):
             try:
@@ -297,14 +299,21 @@ def recompute_bench(have_deepep, results, tokens, reps):
 _COMBINE_FWD = ("combine_fwd", "combine_weighted_fwd", "combine_row_weighted_fwd")
 
 
-def recompute_phases(backend, layers, x, dy, reps, results):
+def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
     """The step split where it happens, by CUDA events on the stream (this rank): the
     forward, the recompute, the rest of the backward, and the forward combine inside the
-    skip-off recompute. In a step the host runs ahead of the GPU, so a phase's interval is
-    its time on the GPU's timeline (including any wait for the host), which is what the
-    skip can save; the standalone combine timing above starts from an idle GPU instead.
-    Also in place: the forward's fresh dispatch (route plan, layout and dispatch, as the
-    exchange section's standalone timing) and the recompute's cached dispatch."""
+    skip-off recompute. A phase's interval is its time on the GPU's timeline, including
+    any wait for the host, which is what the skip can save; the standalone combine timing
+    above starts from an idle GPU instead. Also in place: the forward's fresh dispatch
+    (route plan, layout and dispatch, as the exchange section's standalone timing) and the
+    recompute's cached dispatch.
+
+    With one layer per step the GPU is idle whenever a layer call starts, so the host's
+    time shows in every interval. ``busy_ms`` > 0 queues that much GPU work (a sleep
+    kernel) before each call of the layer, as the other layers of a model would: the host
+    then runs ahead and an interval holds the host only where the layer waits for it (a
+    host sync)."""
+    cycles = _sleep_cycles(busy_ms) if busy_ms else 0
     marks = []
     dmarks = []  # (tag, event): the dispatches' own marks, apart from the phase marks
 
@@ -347,6 +356,8 @@ def recompute_phases(backend, layers, x, dy, reps, results):
 
     def block(layer):
         def fn(h):
+            if cycles:
+                torch.cuda._sleep(cycles)
             mark()
             out = h + layer(h)
             mark()
@@ -409,14 +420,27 @@ def recompute_phases(backend, layers, x, dy, reps, results):
                "cached_dispatch_in_place_ms": med[0]["cached_dispatch"],
                "cached_speedup_in_place": statistics.median(
                    a / b for a, b in zip(off["fresh_dispatch"], off["cached_dispatch"]))}
-    results["recompute"][f"{backend} phases"] = summary
-    say(f"recompute {backend} phases: off {med[0]}, on {med[1]}")
-    say(f"recompute {backend} phases: the recompute's combine took {comb:.3f} ms; the skip "
+    tag = f"{backend} phases" + (f" busy {busy_ms} ms" if busy_ms else "")
+    results["recompute"][tag] = summary
+    say(f"recompute {tag}: off {med[0]}, on {med[1]}")
+    say(f"recompute {tag}: the recompute's combine took {comb:.3f} ms; the skip "
         f"saves {saved:.3f} ms of the recompute and adds {cost:.3f} ms to the backward "
         f"(net {saved - cost:.3f} ms = {(saved - cost) / comb:.0%} of that combine)")
-    say(f"recompute {backend} dispatch in place: fresh {med[0]['fresh_dispatch']:.3f} ms, "
+    say(f"recompute {tag} dispatch in place: fresh {med[0]['fresh_dispatch']:.3f} ms, "
         f"cached {med[0]['cached_dispatch']:.3f} ms "
         f"({summary['cached_speedup_in_place']:.1f}x)")
+
+
+def _sleep_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the GPU busy for about ``ms``."""
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # warm-up
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(probe)
+    e.record()
+    torch.cuda.synchronize()
+    return int(probe * ms / s.elapsed_time(e))
 
 
 def kernel_times(step_fn, reps=5):

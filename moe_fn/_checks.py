@@ -47,10 +47,10 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
         raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
 
 
-def check_same(names: str, *tensors: torch.Tensor, dtype: bool = True, device: bool = True) -> None:
+def check_same(names: str, *tensors: torch.Tensor, dtype: bool = True) -> None:
     first = tensors[0]
     for t in tensors[1:]:
-        if device and t.device != first.device:
+        if t.device != first.device:
             raise ValueError(
                 f"{names} must be on one device, got {[str(x.device) for x in tensors]}"
             )

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 import attrs
 import torch
 
 from .pure.activations import ACTIVATIONS, LAYOUTS, resolve_activation
-from .pure.router import GROUP_SCORES, SCORE_FUNCS
+from .pure.dispatch import PEER_MAX_RANKS
+from .pure.router import router_validate
 
 SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
@@ -97,9 +97,11 @@ class MoEConfig:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
                      "topk_group", "ep_size", "comm_num_sm"):
             _positive_int(name, getattr(self, name))
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts "
-                             f"({self.num_experts})")
+        # The routing options, by the same rules the router applies at every call.
+        router_validate(self.num_experts, top_k=self.top_k, score_func=self.score_func,
+                        norm_topk_prob=self.norm_topk_prob, n_group=self.n_group,
+                        topk_group=self.topk_group, group_score=self.group_score,
+                        routed_scaling_factor=self.routed_scaling_factor)
         _one_of("activation", self.activation, ACTIVATIONS)
         try:
             resolve_activation(self.activation, self.activation_alpha, self.activation_limit)
@@ -107,22 +109,16 @@ class MoEConfig:
             raise ValueError(re.sub(r"\b(alpha|limit)\b", r"activation_\1", str(e))) from None
         _one_of("gate_up_layout", self.gate_up_layout, LAYOUTS)
         _one_of("gate_up_impl", self.gate_up_impl, GATE_UP_IMPLS)
-        _one_of("score_func", self.score_func, SCORE_FUNCS)
-        _one_of("group_score", self.group_score, GROUP_SCORES)
         _one_of("score_apply", self.score_apply, SCORE_APPLY)
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
         _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
-        for name in ("norm_topk_prob", "score_correction_bias", "router_bias", "expert_bias",
+        for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",
                      "all_to_all_dedup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        self._check_groups()
-        r = self.routed_scaling_factor
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"routed_scaling_factor must be a positive finite number, got {r!r}")
         self._check_exchange()
         self._check_weighting()
         self._check_overlap()
@@ -131,23 +127,6 @@ class MoEConfig:
                 "skip_recompute_combine skips part of the layer's recompute, and "
                 "recompute_in_checkpoint=False removes that recompute altogether: set "
                 "skip_recompute_combine=False (or recompute_in_checkpoint=True)")
-
-    def _check_groups(self):
-        e, g = self.num_experts, self.n_group
-        if e % g:
-            raise ValueError(f"n_group ({g}) must divide num_experts ({e}): use a divisor of "
-                             f"{e}, or n_group=1 for no expert groups")
-        if self.topk_group > g:
-            raise ValueError(f"topk_group ({self.topk_group}) must not exceed n_group ({g}): "
-                             f"keep at most {g} groups")
-        if g > 1 and self.top_k > self.topk_group * (e // g):
-            raise ValueError(
-                f"top_k ({self.top_k}) exceeds the experts of the {self.topk_group} chosen "
-                f"groups ({self.topk_group * (e // g)}): raise topk_group or lower top_k"
-            )
-        if g > 1 and self.group_score == "top2_sum" and e // g < 2:
-            raise ValueError("group_score='top2_sum' needs at least 2 experts per group; "
-                             "use group_score='max'")
 
     def _check_exchange(self):
         if self.all_to_all_dedup and self.comm_backend != "all_to_all":
@@ -170,10 +149,11 @@ class MoEConfig:
                     f"all_to_all_transport={self.all_to_all_transport!r} reads rows from "
                     "peer memory; all_to_all_dedup=True is another transport (tokens over "
                     "all_to_all_single): set one of them back to its default")
-            if self.ep_size > 63:  # the partials' pull keeps a token's ranks in an int64
+            if self.ep_size > PEER_MAX_RANKS:
                 raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} supports at most 63 "
-                    f"ranks, got ep_size={self.ep_size}: use all_to_all_transport='collective'")
+                    f"all_to_all_transport={self.all_to_all_transport!r} supports at most "
+                    f"{PEER_MAX_RANKS} ranks, got ep_size={self.ep_size}: use "
+                    "all_to_all_transport='collective'")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts}): each rank owns num_experts/ep_size "

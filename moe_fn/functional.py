@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._checks import FLOAT_DTYPES, check_offs, check_same, check_tensor
 from .autograd.experts import Experts, GroupedLinear, RowWeight, Swiglu, SwigluPacked
 from .autograd.slot import WeightGradSlot
+from .config import GATE_UP_IMPLS
 from .pure.activations import (
     _check_weights,
     check_swiglu_args,
@@ -21,7 +22,6 @@ from .pure.row_weight import check_row_weight_args
 
 __all__ = ["experts", "grouped_linear", "row_weight", "swiglu", "swiglu_packed"]
 
-GATE_UP_IMPLS = ("fused", "separate")
 
 
 def grouped_linear(x, weight, offs):

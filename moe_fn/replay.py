@@ -42,7 +42,6 @@ class ReplayEntry:
 
     layer_id: int
     region: int
-    position: int
     plan: object = None
     handle: object = None
     kept: object = None
@@ -77,16 +76,12 @@ class ReplayRegion:
         self.skipped = 0  # combines skipped in the current run
 
     @property
-    def recording(self) -> bool:
-        return self.runs == 1
-
-    @property
     def replaying(self) -> bool:
         return self.runs > 1
 
     def record(self, layer, plan=None, handle=None, *, kept=None) -> None:
         self.entries.append(ReplayEntry(layer_id=id(layer), region=self.serial,
-                                        position=len(self.entries), plan=plan, handle=handle,
+                                        plan=plan, handle=handle,
                                         kept=kept))
 
     def consume(self, layer) -> ReplayEntry:

@@ -104,7 +104,7 @@ class Combine(torch.autograd.Function):
     """Expert rows back to their tokens, summed over k; backward is a cached dispatch.
 
     With ``weights (T, k)`` (exchanges with ``home_weighting``) the sum is weighted at
-    home; with ``row_weights (N,)`` (exchanges that ``fold_row_weights``) each row is
+    home; with ``row_weights (N,)`` (exchanges that ``folds_row_weights``) each row is
     weighted inside the expert side's per-token sum. Either way the backward also returns
     the weights' gradient."""
 

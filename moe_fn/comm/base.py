@@ -46,7 +46,7 @@ class Exchange:
       handle it returned (no layout exchange, no host sync).
     - ``dispatch_bwd(handle, d_rows, d_row_weights, *, async_op) -> (dx, d_weights)`` (or a
       ``Pending`` when ``async_op``): row gradients back to their tokens, summed over k.
-    - ``combine_fwd(rows, handle) -> (out, res)``: expert rows back to their tokens, summed
+    - ``combine_fwd(rows, handle) -> (out, handle)``: expert rows back to their tokens, summed
       over k (weights are applied on the expert side, so the sum is unweighted).
     - ``combine_bwd(handle, d_out) -> d_rows``: a cached dispatch of the output gradient.
 
@@ -141,10 +141,6 @@ class Exchange:
     def reset_counters(self) -> None:
         for k in COUNTER_KEYS:
             self.counters[k] = 0
-
-    @property
-    def first_local_expert(self) -> int:
-        return self.rank * self.num_local_experts
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.

@@ -52,6 +52,10 @@ def _buffer(deep_ep, group, hidden_bytes: int, configs):
 
 class DeepEPExchange(TokenRowsExchange):
     backend = "deepep"
+    # The overlapped backward combine uses DeepEP's own async_finish on its communication
+    # stream, as its maintainers advise (DeepEP issue #131): wrapping its calls in a stream
+    # of ours serialised them with the GEMMs in our measurements.
+    combine_on_side_stream = False
 
     def __init__(self, *, num_experts: int, group=None, hidden_size: int, num_sms: int = 20):
         deep_ep = import_deep_ep()
@@ -63,7 +67,6 @@ class DeepEPExchange(TokenRowsExchange):
         # Cached dispatch and combine must run with the SM count of the original dispatch.
         self.dispatch_config = deep_ep.Buffer.get_dispatch_config(ep)
         self.combine_config = deep_ep.Buffer.get_combine_config(ep)
-        self.num_sms = num_sms
         self.buffer = _buffer(deep_ep, group, hidden_size * 2,
                               (self.dispatch_config, self.combine_config))
 
@@ -123,12 +126,6 @@ class DeepEPExchange(TokenRowsExchange):
                                f"{handle.num_recv_tokens}: a DeepEP build whose dispatch output "
                                "differs from v1.2.1's (see the README on building DeepEP)")
         return recv_x.index_select(0, handle.token_of_row), row_w, handle
-
-    def start_dispatch_bwd(self, handle, d_rows, d_row_weights):
-        # DeepEP's own async_finish on its communication stream, as its maintainers advise
-        # (DeepEP issue #131): wrapping its calls in a stream of ours serialised them with
-        # the GEMMs in our measurements.
-        return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
 
     def dispatch_bwd(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..pure.activations import compute_dtype
 from ..records import PeerRowsHandle, RoutePlan
 from .base import AllToAllTransport, Exchange, Pending, check_cached_tokens
 from .peer_memory import peer_memory, pull_partials, pull_rows, write_slot_sums
@@ -40,6 +41,7 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
     # Moves of token rows to the experts read each token once per rank, however many of
     # its rows this rank computes (False: once per row, the plain pull; benchmarks compare).
     read_tokens_once = True
+    combine_on_side_stream = False  # dispatch_bwd runs its own side stream
 
     def __init__(self, *, num_experts: int, group=None, num_sms: int | None = None):
         ep, rank = self._group_size_and_rank(group)
@@ -47,9 +49,6 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         # Programs of the overlapped backward combine's pulls (``dispatch_bwd``): the SMs
         # the weight-gradient GEMMs leave free. Every other pull uses the whole GPU.
         self.num_sms = num_sms
-        if self.ep_size > 63:  # the partials' pull keeps a token's ranks in an int64
-            raise ValueError(f"the symm_mem transport supports at most 63 ranks, got "
-                             f"{self.ep_size}: use all_to_all_transport='collective'")
 
     def _mem(self, device):
         # Looked up every move (a dict lookup), not kept: after release_peer_memory() the
@@ -92,7 +91,7 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         """Each token's rows summed where they are computed (float32 partials for half
         types, one per (source, token), written straight into the exposed buffer), with
         ``values`` (one per expert row) exposed beside them."""
-        acc = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+        acc = compute_dtype(rows.dtype)
 
         def write(region):
             write_slot_sums(region, rows, h.token_slots, h.plan.top_k, row_weights)
@@ -147,9 +146,6 @@ class PeerRowsExchange(AllToAllTransport, Exchange):
         if not async_op:
             return shaped(*self._pull_home(view, handle, d_rows.dtype))
         return Pending(lambda: shaped(*self._pull_home(view, handle, d_rows.dtype)))
-
-    def start_dispatch_bwd(self, handle, d_rows, d_row_weights) -> Pending:
-        return self.dispatch_bwd(handle, d_rows, d_row_weights, async_op=True)
 
     def combine_fwd(self, rows, handle: PeerRowsHandle):
         self.counters["combine"] += 1

@@ -460,7 +460,7 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     Raises ValueError for an unsupported model type, a pattern that matches no block, an
     unknown or preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose
     routing weight also scales the experts' down bias), or ``skip_recompute_combine`` with
-    a custom pattern; NotImplementedError for a preset marked unsupported.
+    a custom pattern.
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers model (an nn.Module with a config), "
@@ -469,8 +469,6 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
         if v is not None and not isinstance(v, str):
             raise TypeError(f"{name} must be a str or None, got {type(v).__name__}")
     p = resolve_preset(model, preset)
-    if p.unsupported:
-        raise NotImplementedError(p.unsupported)
     _check_options(options, moe_layer_pattern)
     _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)

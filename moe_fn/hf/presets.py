@@ -165,9 +165,9 @@ class Preset:
     """One HF MoE family.
 
     name: the preset's name; model_types: the ``config.model_type`` values it serves.
-    module: the transformers modeling module; block_class / router_class / experts_class:
-    class names in it. router_attr / experts_attr: the block's children. bias_attr: dotted
-    path (from the block) of the ``e_score_correction_bias`` buffer, or None.
+    module: the transformers modeling module; block_class: the block's class name in it.
+    router_attr / experts_attr: the block's children. bias_attr: dotted path (from the
+    block) of the ``e_score_correction_bias`` buffer, or None.
     router_dtype: None (logits in the weight's dtype from the input as it comes),
     "float32" (input and weight cast to float32, DeepSeek), "weight" (input cast to the
     weight's dtype, MiniMax). transposed: the experts store ``gate_up_proj (E, H, 2I)`` and
@@ -175,16 +175,13 @@ class Preset:
     Router and expert biases (GPT-OSS: ``router.bias``, ``experts.gate_up_proj_bias``,
     ``experts.down_proj_bias``) are read when ``routing`` sets ``router_bias`` /
     ``expert_bias``. routing: HF text config -> MoEConfig fields. forward:
-    ``(block, hidden_states, routed) -> what HF's block returns``. unsupported: why convert
-    must refuse it (NotImplementedError), or None.
+    ``(block, hidden_states, routed) -> what HF's block returns``.
     """
 
     name: str
     model_types: tuple[str, ...]
     module: str
     block_class: str
-    router_class: str
-    experts_class: str
     routing: Callable
     forward: Callable
     router_attr: str = "gate"
@@ -193,7 +190,6 @@ class Preset:
     router_dtype: str | None = None
     transposed: bool = False
     min_transformers: str = "5.0.0"
-    unsupported: str | None = None
 
     def modeling(self):
         try:
@@ -212,42 +208,38 @@ class Preset:
                              f"transformers >= {self.min_transformers}") from e
 
 
-def _p(name, model_types, stem, block, router, experts, routing, forward, **kw) -> Preset:
+def _p(name, model_types, stem, block, routing, forward, **kw) -> Preset:
     return Preset(name=name, model_types=tuple(model_types),
                   module=f"transformers.models.{stem}.modeling_{stem}", block_class=block,
-                  router_class=router, experts_class=experts, routing=routing, forward=forward,
-                  **kw)
+                  routing=routing, forward=forward, **kw)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    _p("qwen3_moe", ["qwen3_moe"], "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
-       "Qwen3MoeExperts", _routing_qwen3, forward_plain),
-    _p("qwen2_moe", ["qwen2_moe"], "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
-       "Qwen2MoeExperts", _routing_qwen3, forward_gated_shared),
+    _p("qwen3_moe", ["qwen3_moe"], "qwen3_moe", "Qwen3MoeSparseMoeBlock", _routing_qwen3,
+       forward_plain),
+    _p("qwen2_moe", ["qwen2_moe"], "qwen2_moe", "Qwen2MoeSparseMoeBlock", _routing_qwen3,
+       forward_gated_shared),
     _p("qwen3_5_moe", ["qwen3_5_moe", "qwen3_5_moe_text"], "qwen3_5_moe",
-       "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts",
-       _routing_normalised, forward_gated_shared, min_transformers="5.2.0"),
-    _p("mixtral", ["mixtral"], "mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter",
-       "MixtralExperts", _routing_normalised, forward_jitter),
-    _p("olmoe", ["olmoe"], "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
-       _routing_qwen3, forward_plain),
-    _p("deepseek_v2", ["deepseek_v2"], "deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
-       "DeepseekV2Experts", _routing_deepseek_v2, forward_shared, router_dtype="float32"),
-    _p("deepseek_v3", ["deepseek_v3"], "deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
-       "DeepseekV3Experts", _routing_deepseek_v3, forward_shared,
-       bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
-    _p("glm4_moe", ["glm4_moe"], "glm4_moe", "Glm4MoeMoE", "Glm4MoeTopkRouter", "Glm4MoeExperts",
-       _routing_deepseek_v3, forward_shared, bias_attr="gate.e_score_correction_bias",
-       router_dtype="float32"),
+       "Qwen3_5MoeSparseMoeBlock", _routing_normalised, forward_gated_shared,
+       min_transformers="5.2.0"),
+    _p("mixtral", ["mixtral"], "mixtral", "MixtralSparseMoeBlock", _routing_normalised,
+       forward_jitter),
+    _p("olmoe", ["olmoe"], "olmoe", "OlmoeSparseMoeBlock", _routing_qwen3, forward_plain),
+    _p("deepseek_v2", ["deepseek_v2"], "deepseek_v2", "DeepseekV2Moe", _routing_deepseek_v2,
+       forward_shared, router_dtype="float32"),
+    _p("deepseek_v3", ["deepseek_v3"], "deepseek_v3", "DeepseekV3MoE", _routing_deepseek_v3,
+       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+    _p("glm4_moe", ["glm4_moe"], "glm4_moe", "Glm4MoeMoE", _routing_deepseek_v3,
+       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
     _p("minimax_m2", ["minimax_m2"], "minimax_m2", "MiniMaxM2SparseMoeBlock",
-       "MiniMaxM2TopKRouter", "MiniMaxM2Experts", _routing_minimax_m2, forward_jitter,
-       bias_attr="e_score_correction_bias", router_dtype="weight"),
+       _routing_minimax_m2, forward_jitter, bias_attr="e_score_correction_bias",
+       router_dtype="weight"),
     _p("minimax_m3", ["minimax_m3_vl", "minimax_m3_vl_text"], "minimax_m3_vl",
-       "MiniMaxM3VLSparseMoeBlock", "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts",
-       _routing_minimax_m3, forward_shared, bias_attr="gate.e_score_correction_bias",
-       router_dtype="weight", min_transformers="5.15.0"),
-    _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
-       _routing_gpt_oss, forward_gpt_oss, router_attr="router", transposed=True),
+       "MiniMaxM3VLSparseMoeBlock", _routing_minimax_m3, forward_shared,
+       bias_attr="gate.e_score_correction_bias", router_dtype="weight",
+       min_transformers="5.15.0"),
+    _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", _routing_gpt_oss, forward_gpt_oss,
+       router_attr="router", transposed=True),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

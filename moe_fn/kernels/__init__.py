@@ -1,12 +1,18 @@
 """Triton kernels registered as torch custom ops, with the signatures of ``moe_fn.pure``.
 
-The functions here are drop-in replacements for the pure pairs of the same names (same
-arguments, same ``Res`` NamedTuples, same outputs), so a shell may call either module.
-They call the ``torch.ops.moe_fn.*`` custom ops (see ``_registry``): CUDA tensors of
-float16/bfloat16/float32 run the Triton kernels, everything else the pure pair.
+The activation and row-weighting functions here are drop-in replacements for the pure
+pairs of the same names (same arguments, same ``Res`` NamedTuples, same outputs), so a
+shell may call either module. They call the ``torch.ops.moe_fn.*`` custom ops (see
+``_registry``): CUDA tensors of float16/bfloat16/float32 run the Triton kernels,
+everything else the pure pair. The combine's sums are twins of ``moe_fn.pure.dispatch``'s
+with what the exchanges need added: ``masked_gather_sum`` writes into ``out=`` (a view of
+an exchange's buffer) where the pure one takes ``out_dtype=``, and
+``weighted_gather_sum_bwd`` splits its row gradients at ``split`` (``hi_out=``), returning
+three values.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
-``row_weight_fwd``, ``row_weight_bwd``. ``router_fwd`` and ``router_linear_fwd`` (the
+``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``.
+``router_fwd`` and ``router_linear_fwd`` (the
 router's linear and its routing in one launch) are plain functions (no custom op): their
 Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
 under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and

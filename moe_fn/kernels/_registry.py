@@ -17,7 +17,7 @@ from ..pure import activations as _pa
 from ..pure import dispatch as _pd
 from ..pure import row_weight as _pr
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # The ops' plain Python bodies by op name. Eager callers use these directly: going through
@@ -35,7 +35,7 @@ def _custom_op(name: str):
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op with input ``t`` runs the Triton kernel (CUDA, non-float64)."""
-    return t.is_cuda and t.dtype in _KERNEL_DTYPES
+    return t.is_cuda and t.dtype in KERNEL_DTYPES
 
 
 def _empty(ref: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -30,8 +30,7 @@ import triton.language as tl
 from .._checks import env_flag
 from ..pure.activations import LAYOUT_ID, split_packed
 from ._launch import cdiv, launch, next_pow2
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._registry import KERNEL_DTYPES
 
 
 def interpreting() -> bool:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pure.dispatch import PEER_MAX_RANKS
 from ._launch import cdiv, launch, next_pow2
 from .gather_sum import _vec
 
@@ -225,8 +226,7 @@ def _index(t):
 
 
 def launch_pull_rows(rows, values, rank: int, src_rank, src_idx, *, row_div: int = 1,
-                     num_programs: int, rows_per_program: int | None = None,
-                     num_warps: int | None = None, rows_offsets=None, values_offsets=None,
+                     num_programs: int, rows_offsets=None, values_offsets=None,
                      byte_offsets=None):
     """``out[i] = rows[src_rank[i]][src_idx[i] // row_div]`` and, with ``values``,
     ``vout[i] = values[src_rank[i]][src_idx[i]]``. ``rows``/``values``: one contiguous
@@ -259,19 +259,18 @@ def launch_pull_rows(rows, values, rank: int, src_rank, src_idx, *, row_div: int
         vref, values_offsets = ref, rows_offsets
     block = min(_BLOCK_C, next_pow2(max(width, 1)))
     dummy = out if out is not None else vout
-    per = rows_per_program or PULL_ROWS
+    per = PULL_ROWS
     launch(_pull_rows_kernel, (max(1, min(num_programs, cdiv(n, per))),),
            ref, rows_offsets, vref, values_offsets, src_rank, src_idx, dummy,
            vout if vout is not None else dummy, n, width, width // vec, width // vec,
            ROW_DIV=row_div, HAS_ROWS=rows is not None, HAS_VALS=values is not None, ROWS=per,
            BLOCK_C=block, VEC=vec,
-           num_warps=num_warps or (PULL_WARPS if block >= 1024 else 4))
+           num_warps=PULL_WARPS if block >= 1024 else 4)
     return out, vout
 
 
 def launch_pull_token_rows(rows, values, rank: int, token_slots, num_rows: int, top_k: int,
                            *, num_programs: int, tokens_per_program: int | None = None,
-                           block_c: int | None = None, num_warps: int | None = None,
                            rows_offsets=None, values_offsets=None, byte_offsets=None):
     """``out[i] = rows[s][t]`` and, with ``values``, ``vout[i] = values[s][t * top_k + j]``
     for every output row ``i = token_slots[(s * T + t) * top_k + j]`` (``T`` =
@@ -299,18 +298,18 @@ def launch_pull_token_rows(rows, values, rank: int, token_slots, num_rows: int, 
     if byte_offsets is None:
         byte_offsets = [p.data_ptr() - ref.data_ptr() for p in rows]
     vec = _aligned_vec(ref, byte_offsets, width)
-    block = min(block_c or PULL_TOKENS_BLOCK_C, next_pow2(max(width, 1)))
+    block = min(PULL_TOKENS_BLOCK_C, next_pow2(max(width, 1)))
     segs = tokens_per_program or PULL_TOKENS
     launch(_pull_token_rows_kernel, (max(1, min(num_programs, cdiv(n_groups, segs))),),
            ref, rows_offsets, vref, values_offsets, _index(token_slots), out,
            vout if vout is not None else out, n_groups, max_tokens, width, width // vec,
            width // vec, K=top_k, HAS_VALS=values is not None, SEGS=segs, BLOCK_C=block,
-           VEC=vec, num_warps=num_warps or (PULL_TOKENS_WARPS if block >= 1024 else 4))
+           VEC=vec, num_warps=PULL_TOKENS_WARPS if block >= 1024 else 4)
     return out, vout
 
 
 def launch_slot_sum(rows, token_slots, top_k: int, out, weights=None, *, num_programs: int,
-                    tokens_per_program: int | None = None, num_warps: int | None = None):
+                    tokens_per_program: int | None = None):
     """``out[g] = sum_j [weights[i] *] rows[i]`` over ``i = token_slots[g * top_k + j] >= 0``
     (float32 accumulation, stored in ``out``'s dtype) for every group ``g`` with a slot;
     the others' rows of ``out`` are left as they are. ``out (G, width)`` may be a view with
@@ -333,7 +332,7 @@ def launch_slot_sum(rows, token_slots, top_k: int, out, weights=None, *, num_pro
            weights.contiguous() if weights is not None else rows, _index(token_slots), out,
            n_groups, width, rows.stride(0) // vec_y, out.stride(0) // vec_o, K=top_k,
            HAS_W=weights is not None, SEGS=segs, BLOCK_C=block, VEC_Y=vec_y, VEC_O=vec_o,
-           num_warps=num_warps or (SUM_WARPS if block >= 512 else 4))
+           num_warps=SUM_WARPS if block >= 512 else 4)
     return out
 
 
@@ -349,8 +348,8 @@ def launch_pull_partials(partials, values, rank: int, home_rank, values_pos, top
     ref, rows_offsets = _peer_args(partials, rank, "partials", rows_offsets)
     width = ref.shape[1]
     n = home_rank.numel()
-    if len(partials) > 63:  # the kernel keeps each token's ranks as bits of an int64
-        raise ValueError(f"at most 63 ranks, got {len(partials)}")
+    if len(partials) > PEER_MAX_RANKS:
+        raise ValueError(f"at most {PEER_MAX_RANKS} ranks, got {len(partials)}")
     if ref.shape[0] < len(partials) * max_tokens:
         raise ValueError(f"partials must hold a row per (rank, token): {len(partials)} ranks "
                          f"of {max_tokens} tokens, got {ref.shape[0]} rows")

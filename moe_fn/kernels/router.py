@@ -21,9 +21,8 @@ from triton.language.extra import libdevice
 
 from ..pure.router import NORM_EPS
 from ._launch import cdiv, launch, next_pow2
+from ._registry import KERNEL_DTYPES
 from .activation import interpreting
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Elements per program (BLOCK_T * BLOCK_E): enough rows to fill the warps for small E.
 _TILE = 4096

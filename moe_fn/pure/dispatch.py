@@ -11,9 +11,15 @@ in ``r`` order), into the expert-contiguous order a grouped GEMM consumes:
 
 Pairs: ``permute`` (tokens -> sorted rows), ``unpermute`` (sorted rows -> ``(t, j)`` order),
 ``weighted_combine`` (``out[t] = sum_j w[t, j] * rows[t * k + j]``) and ``combine_sum`` (the
-same without weights, for when they were applied on the expert side). Sums run in float32
-for half types (float64 stays float64) and are cast once. No host syncs; backward passes
-are deterministic (gathers, permutation scatters and fixed-order sums, no atomics).
+same without weights, for when they were applied on the expert side). These are the
+contract, each step on its own. The exchanges move rows with fused forms of them:
+``gather_sum`` and ``weighted_gather_sum`` (unpermute and the sum over k in one step, with
+or without the weights; the tests check both against the pairs composed),
+``masked_gather_sum`` (the token-once exchanges' per-token sums) and the ``peer_*`` /
+``slot_sum`` twins of the ``symm_mem`` transport's kernels. Sums run in float32 for half
+types (float64 stays float64) and are cast once. No host syncs; backward passes are
+deterministic (gathers, permutation scatters and fixed-order sums, no atomics), except
+``gather_sum_bwd``'s ``index_add``.
 """
 
 from __future__ import annotations
@@ -282,6 +288,10 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):
     d_w_pos = (d_tok * rows.to(cd)).sum(dim=-1)
     d_w = torch.empty_like(d_w_pos).index_copy_(0, pos_to_row, d_w_pos)
     return d_rows, d_w.to(weights.dtype)
+
+
+# The partials' pull (``kernels.peer``) keeps each token's ranks as bits of an int64.
+PEER_MAX_RANKS = 63
 
 
 def masked_gather_sum(rows, table, weights=None, *, out_dtype=None):

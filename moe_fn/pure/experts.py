@@ -27,7 +27,12 @@ import torch
 
 from . import activations as _pure_act
 from .activations import SwigluPackedRes, SwigluRes, split_packed
-from .gate_up import gate_up_separate_dw, gate_up_separate_dx, weight_halves
+from .gate_up import (
+    gate_up_fused_fwd,
+    gate_up_separate_dw,
+    gate_up_separate_dx,
+    gate_up_separate_fwd,
+)
 from .grouped import grouped_linear_dw, grouped_linear_dx, grouped_linear_fwd
 
 
@@ -104,15 +109,13 @@ def experts_fwd(x, gate_up_proj, down_proj, offs, weights=None, gate_up_bias=Non
         eid = expert_of_row(offs, x.shape[0])
     # The biases are added in place into fresh GEMM outputs (never into inputs).
     if fused:
-        gate_up, _ = grouped_linear_fwd(x, gate_up_proj, offs)
+        gate_up, _ = gate_up_fused_fwd(x, gate_up_proj, offs, layout_id=layout_id)
         if gate_up_bias is not None:
             gate_up = gate_up.add_(gate_up_bias.index_select(0, eid))
         h, _ = impl.swiglu_packed_fwd(gate_up, weights, act_id=act_id, alpha=alpha,
                                       limit=limit, layout_id=layout_id)
     else:
-        w_gate, w_up = weight_halves(gate_up_proj, layout_id)
-        gate, _ = grouped_linear_fwd(x, w_gate, offs)
-        up, _ = grouped_linear_fwd(x, w_up, offs)
+        (gate, up), _ = gate_up_separate_fwd(x, gate_up_proj, offs, layout_id=layout_id)
         if gate_up_bias is not None:
             b_gate, b_up = split_packed(gate_up_bias, layout_id)
             gate = gate.add_(b_gate.index_select(0, eid))

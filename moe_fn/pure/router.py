@@ -76,7 +76,8 @@ class RouterRes(NamedTuple):
 def router_validate(num_experts: int, *, top_k: int, score_func: str = "softmax",
                     norm_topk_prob: bool = False, n_group: int = 1, topk_group: int = 1,
                     group_score: str = "top2_sum", routed_scaling_factor: float = 1.0) -> None:
-    """Raise ``ValueError`` (naming the argument) for static arguments that cannot route."""
+    """Raise ``ValueError`` (naming the argument and the fix) for static arguments that
+    cannot route. ``MoEConfig`` runs it on its routing options at configuration time."""
     def _int(name, v, lo):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must be an int, got {v!r}")
@@ -100,23 +101,23 @@ def router_validate(num_experts: int, *, top_k: int, score_func: str = "softmax"
             f"routed_scaling_factor must be a positive finite number, got {routed_scaling_factor!r}"
         )
     if top_k > num_experts:
-        raise ValueError(f"top_k ({top_k}) must be <= the number of experts ({num_experts})")
+        raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts % n_group:
-        raise ValueError(f"n_group ({n_group}) must divide the number of experts ({num_experts})")
+        raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts}): use a "
+                         f"divisor of {num_experts}, or n_group=1 for no expert groups")
     if topk_group > n_group:
-        raise ValueError(f"topk_group ({topk_group}) must be <= n_group ({n_group})")
+        raise ValueError(f"topk_group ({topk_group}) must not exceed n_group ({n_group}): "
+                         f"keep at most {n_group} groups")
     per_group = num_experts // n_group
     if n_group > 1:
         if top_k > topk_group * per_group:
             raise ValueError(
-                f"top_k ({top_k}) must be <= topk_group * experts per group "
-                f"({topk_group} * {per_group}): the kept groups hold too few experts"
-            )
+                f"top_k ({top_k}) exceeds the experts of the {topk_group} chosen groups "
+                f"({topk_group} * {per_group}): raise topk_group or lower top_k")
         if group_score == "top2_sum" and per_group < 2:
             raise ValueError(
-                f"group_score 'top2_sum' needs >= 2 experts per group, got {per_group} "
-                f"(n_group={n_group}, experts={num_experts})"
-            )
+                f"group_score='top2_sum' needs at least 2 experts per group, got {per_group} "
+                f"(n_group={n_group}, num_experts={num_experts}): use group_score='max'")
 
 
 def check_router_args(logits, bias=None) -> None:

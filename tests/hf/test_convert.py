@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from moe_fn.hf import PRESETS, ConvertedBlock, convert, converted_blocks, gather_expert_state_dict
+from moe_fn.hf import ConvertedBlock, convert, converted_blocks, gather_expert_state_dict
 from tests.hf.models import (
     SUPPORTED,
     assert_close,
@@ -233,7 +233,6 @@ def test_gpt_oss_block_returns_router_scores_and_needs_post():
     cfg = conv.model.layers[0].mlp.moe_layer.config
     assert (cfg.router_bias, cfg.expert_bias, cfg.gate_up_layout, cfg.score_func) == (
         True, True, "interleaved", "softmax_topk")
-    assert not PRESETS["gpt_oss"].unsupported
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         (got, got_scores), (want, want_scores) = conv.model.layers[0].mlp(x), \

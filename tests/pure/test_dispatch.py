@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from moe_fn.pure.dispatch import (
     combine_sum_bwd,
     combine_sum_fwd,
+    gather_sum_bwd,
+    gather_sum_fwd,
     layout,
     permute_bwd,
     permute_fwd,
@@ -17,6 +19,8 @@ from moe_fn.pure.dispatch import (
     unpermute_fwd,
     weighted_combine_bwd,
     weighted_combine_fwd,
+    weighted_gather_sum_bwd,
+    weighted_gather_sum_fwd,
 )
 
 
@@ -343,3 +347,36 @@ def test_masked_gather_sum_leaves_absent_slots_out_even_beside_inf():
     w = torch.tensor([0.5, 2.0, 3.0])
     assert torch.equal(masked_gather_sum(rows, table, w),
                        torch.tensor([[float("inf")], [8.0], [6.0]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(route=routes(), h=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_fused_combines_equal_the_pairs_composed(route, h, seed):
+    """The exchanges' fused forms (unpermute and the sum over k in one step) against the
+    pairs they fuse, forward and backward, float64: ``gather_sum`` is ``combine_sum`` after
+    ``unpermute``; ``weighted_gather_sum`` is ``weighted_combine`` after ``unpermute``."""
+    topk_idx, e = route
+    t, k = topk_idx.shape
+    _, _, perm, inv = layout(topk_idx, e)
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(t * k, h, generator=g, dtype=torch.float64)  # in sorted order
+    w = torch.rand(t, k, generator=g, dtype=torch.float64)
+    d_out = torch.randn(t, h, generator=g, dtype=torch.float64)
+    rows_tk, ures = unpermute_fwd(rows, inv)
+
+    s_pairs, sres = combine_sum_fwd(rows_tk, k)
+    s_fused, fres = gather_sum_fwd(rows, inv, k)
+    torch.testing.assert_close(s_fused, s_pairs, rtol=1e-12, atol=1e-12)
+    (d_fused,) = gather_sum_bwd(fres, d_out)
+    torch.testing.assert_close(d_fused, unpermute_bwd(ures, combine_sum_bwd(sres, d_out)),
+                               rtol=1e-12, atol=1e-12)
+
+    o_pairs, wres = weighted_combine_fwd(rows_tk, w, k)
+    o_fused, _ = weighted_gather_sum_fwd(rows, inv, w.reshape(-1), k)
+    torch.testing.assert_close(o_fused, o_pairs, rtol=1e-12, atol=1e-12)
+    d_tk, d_w = weighted_combine_bwd(wres, d_out)
+    # The fused backward is indexed by position (here: sorted order, whose rows are perm).
+    d_rows_fused, d_w_fused = weighted_gather_sum_bwd(d_out, rows, perm, w.reshape(-1), k)
+    torch.testing.assert_close(d_rows_fused, unpermute_bwd(ures, d_tk), rtol=1e-12,
+                               atol=1e-12)
+    torch.testing.assert_close(d_w_fused, d_w.reshape(-1), rtol=1e-12, atol=1e-12)

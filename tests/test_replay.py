@@ -278,7 +278,7 @@ def test_skip_with_output_written_in_place_raises():
 
     x = torch.randn(6, H, requires_grad=True)
     out = moe_fn.checkpoint(misuse, x)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="modified inplace"):
         out.sum().backward()
 
 

@@ -168,7 +168,8 @@ def test_experts_float32_matches_float64(impl):
     for args, w in ((args64, w64), (args32, w32)):
         fn.experts(*args, offs, gate_up_impl=impl, layout="interleaved", weights=w).sum().backward()
     for a, b in zip(args64 + [w64], args32 + [w32]):
-        torch.testing.assert_close(b.grad.double(), a.grad, rtol=1e-4, atol=1e-4)
+        # float32 math: a few float32 roundings of these sums (torch's float32 defaults)
+        torch.testing.assert_close(b.grad, a.grad.float())
 
 
 # ---- first-order only ------------------------------------------------------------------
@@ -270,7 +271,7 @@ def test_bad_arguments(case, monkeypatch):
 
 
 FP32_META_XFAIL = pytest.mark.xfail(
-    strict=True, raises=Exception,
+    strict=True, raises=torch._dynamo.exc.UserError,  # not a wrong value (AssertionError)
     reason="torch 2.13's fake/meta _grouped_mm accepts only bfloat16 (eager CPU takes float32), "
            "so float32 takes the per-expert loop, whose offs.tolist() breaks a full graph")
 

@@ -42,12 +42,24 @@ def _case(t, k, h, dtype, seed=0):
     return rows, index
 
 
+class _GatherSumPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, index, top_k):
+        out, ctx.res = gather_sum_fwd(rows, index, top_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return gather_sum_bwd(ctx.res, d_out)[0], None, None
+
+
 def test_pure_pair_matches_naive_and_gradcheck():
     rows, index = _case(5, 3, 7, torch.float64)
     out, res = gather_sum_fwd(rows, index, 3)
     torch.testing.assert_close(out, naive(rows, index, 3))
     r = rows.clone().requires_grad_()
-    torch.autograd.gradcheck(lambda x: gather_sum_fwd(x, index, 3)[0], (r,))
+    # gradcheck of the pair itself (its backward, not autograd of the forward's torch ops).
+    torch.autograd.gradcheck(lambda x: _GatherSumPair.apply(x, index, 3), (r,))
     d = torch.randn_like(out)
     (d_rows,) = gather_sum_bwd(res, d)
     r2 = rows.clone().requires_grad_()
@@ -330,7 +342,8 @@ def test_kernels_read_and_write_rows_at_every_stride_alignment(width):
     want_rows, want_w = row_weight_bwd(RowWeightRes(dst[:, :h].cpu().float(), rw.cpu()),
                                        src.cpu().float()[index.cpu()])
     torch.testing.assert_close(d_rows.cpu().float(), want_rows, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(d_w.cpu(), want_w.to(d_w.dtype), rtol=1e-3, atol=1e-3)
+    # float32 sums of the same products in another order.
+    torch.testing.assert_close(d_w.cpu(), want_w.to(d_w.dtype), rtol=1e-5, atol=1e-5)
 
 
 def test_gather_rows_with_mixed_strides_and_a_strided_index():

@@ -41,6 +41,8 @@ def _logits(t, e, dtype=torch.float32, seed=0):
         x[7, ::2] = NAN                                          # NaN ties NaN,
         x[7, 1::4] = -NAN                                        # sign and payload aside
         x[7, 3::8] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)
+    if t > 8:
+        x[8] = -200.0  # sigmoid scores all 0 in float32: renormalising needs NORM_EPS
     return x.to(dtype)
 
 
@@ -163,9 +165,20 @@ def test_wrapper_cpu_is_pure():
     ((torch.zeros(3, 4), torch.zeros(5)), {"top_k": 1}),
     ((torch.zeros(3, 4, dtype=torch.int32),), {"top_k": 1}),
     ((torch.zeros(3, 4),), {"top_k": 1, "n_group": 3}),
+    ((torch.zeros(3, 4),), {"top_k": 1, "n_group": 2, "topk_group": 3}),
     ((torch.zeros(3, 4),), {"top_k": 1, "topk_idx": torch.zeros(3, 2, dtype=torch.int64)}),
 ])
-def test_wrapper_raises_like_pure(args, kw):
+def test_wrapper_raises_like_pure(args, kw, monkeypatch):
+    # On the CPU the wrapper's kernel branch is forced (under the interpreter), so that its
+    # own checks, not the pure function's, are compared.
+    if DEV == "cpu":
+        from moe_fn.kernels.activation import interpreting
+
+        if not interpreting():
+            pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+        monkeypatch.setattr(K, "use_triton", lambda t: t.dtype in (torch.float16,
+                                                                  torch.bfloat16,
+                                                                  torch.float32))
     args = tuple(a.to(DEV) for a in args)
     with pytest.raises((TypeError, ValueError)) as want:
         router_fwd(*args, **kw)
@@ -173,22 +186,56 @@ def test_wrapper_raises_like_pure(args, kw):
         K.router_fwd(*args, **kw)
 
 
+def _wrapper_against_pure(x, bias, score_func, top_k, **kw):
+    (i1, w1), r1 = K.router_fwd(x, bias, top_k=top_k, score_func=score_func,
+                                norm_topk_prob=True, routed_scaling_factor=2.5, **kw)
+    (i2, w2), r2 = router_fwd(x.cpu(), bias.cpu(), top_k=top_k, score_func=score_func,
+                              norm_topk_prob=True, routed_scaling_factor=2.5, **kw)
+    assert torch.equal(i1.cpu(), i2)
+    torch.testing.assert_close(w1.cpu(), w2, **TOL)
+    torch.testing.assert_close(r1.topk_raw.cpu(), r2.topk_raw, **TOL)
+    if r2.scores is not None:
+        torch.testing.assert_close(r1.scores.cpu(), r2.scores, **TOL)
+    assert r1[3:] == r2[3:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("score_func", SCORE_FUNCS)
 def test_wrapper_cuda_runs_kernel(score_func):
-    x = _logits(1000, 128, seed=7).cuda()
-    bias = torch.randn(128, device="cuda")
-    (i1, w1), r1 = K.router_fwd(x, bias, top_k=8, score_func=score_func, norm_topk_prob=True,
-                                routed_scaling_factor=2.5)
-    (i2, w2), r2 = router_fwd(x, bias, top_k=8, score_func=score_func, norm_topk_prob=True,
-                              routed_scaling_factor=2.5)
-    assert torch.equal(i1, i2)
-    torch.testing.assert_close(w1, w2, **TOL)
-    torch.testing.assert_close(r1.topk_raw, r2.topk_raw, **TOL)
-    if r2.scores is not None:
-        torch.testing.assert_close(r1.scores, r2.scores, **TOL)
-    assert r1[3:] == r2[3:]
+    _wrapper_against_pure(_logits(1000, 128, seed=7).cuda(), torch.randn(128, device="cuda"),
+                          score_func, 8)
+
+
+@pytest.fixture
+def kernel_branch(monkeypatch):
+    """``K.router_fwd``'s kernel branch (normally CUDA only) taken on the CPU, under the
+    interpreter; yields the dtypes it was asked about, to prove the branch ran."""
+    from moe_fn.kernels.activation import interpreting
+
+    if torch.cuda.is_available() or not interpreting():
+        pytest.skip("CPU under TRITON_INTERPRET=1 only (on a GPU the branch runs as it is)")
+    asked = []
+
+    def force(t):
+        asked.append(t.dtype)
+        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    monkeypatch.setattr(K, "use_triton", force)
+    return asked
+
+
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+@pytest.mark.parametrize("groups", [{}, {"n_group": 4, "topk_group": 2}])
+def test_wrapper_kernel_branch_on_cpu(kernel_branch, score_func, groups):
+    # The bias must reach the kernel: without it this input picks other experts.
+    x, bias = _logits(24, 16, seed=7), torch.randn(16, generator=torch.Generator().manual_seed(3))
+    _wrapper_against_pure(x, bias, score_func, 4, **groups)
+    assert kernel_branch
+    (unbiased, _), _ = router_fwd(x, None, top_k=4, score_func=score_func,
+                                  norm_topk_prob=True, routed_scaling_factor=2.5, **groups)
+    (biased, _), _ = K.router_fwd(x, bias, top_k=4, score_func=score_func,
+                                  norm_topk_prob=True, routed_scaling_factor=2.5, **groups)
+    assert not torch.equal(biased, unbiased)
 
 
 # ---- the router linear fused in (kernels.router_linear_fwd) ---------------------------------

@@ -122,3 +122,24 @@ def test_swiglu_pair_needs_and_low_precision(name):
     ref = naive_act(gb, ub, name) * wb[:, None]
     assert hb.dtype == torch.bfloat16
     assert (hb.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_swiglu_backward_low_precision(name, dtype):
+    """Half inputs: the backward's math runs in float32, so every gradient element is within
+    one rounding of float64 autograd of the naive formula on the same (rounded) inputs
+    (math in the half type misses this by up to 4x)."""
+    g, u, w, dh = (t.to(dtype) for t in inputs(n=64, i=48, seed=3))
+    act_id, alpha, limit = resolved(name)
+    _, res = swiglu_fwd(g, u, w, act_id=act_id, alpha=alpha, limit=limit)
+    got = swiglu_bwd(res, dh)
+    _, want = oracle_grads(g.double(), u.double(), w.double(), dh.double(), name)
+    half_ulp = torch.finfo(dtype).eps / 2
+    for a, b, what in zip(got, want, ("d_gate", "d_up", "d_weights")):
+        assert a.dtype == dtype, what
+        err = (a.double() - b).abs()
+        bound = half_ulp * b.abs() + 1e-6 * b.abs().max()
+        if what == "d_weights":  # a sum over I products, rounded once at the end
+            bound = half_ulp * b.abs() + 1e-6 * b.abs().max() * g.shape[1]
+        assert bool((err <= bound).all()), (what, float((err - bound).max()))

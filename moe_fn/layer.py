@@ -11,6 +11,7 @@ from torch import nn
 
 from . import functional, kernels
 from ._checks import FLOAT_DTYPES
+from .autograd.experts import Experts
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
@@ -18,6 +19,7 @@ from .comm import base as comm_base
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
+from .pure.activations import resolve_layout
 from .records import RoutePlan
 from .replay import KeptActivations, current_region
 
@@ -91,8 +93,8 @@ class MoEExperts(nn.Module):
     ``gate_up_proj_bias (E_local, 2I)`` (packed as the weight) and
     ``down_proj_bias (E_local, H)``.
 
-    MoELayer reads these four attributes on every call and passes them to
-    ``functional.experts`` as they are, so a subclass (or ``moe_fn.hf``'s view) may serve
+    MoELayer reads these four attributes on every call and passes them to the experts'
+    autograd shell as they are, so a subclass (or ``moe_fn.hf``'s view) may serve
     views of other storage, e.g. GPT-OSS's ``(E, H, 2I)`` parameter as ``.transpose(1, 2)``:
     no copy is made and the gradients reach the viewed parameter."""
 
@@ -143,6 +145,11 @@ class MoELayer(nn.Module):
         # What the parameters and biases must be (the config is frozen: computed once).
         self._param_shapes = self._expected_param_shapes(config)
         self._bias_spec = self._expected_biases(config)
+        # The experts' static arguments, resolved once: the layer calls their shell directly
+        # (functional.experts would validate on every call what the config and the layer's
+        # own checks already have: ~40 us of host time before the first GEMM).
+        self._experts_static = (*config.act_static, resolve_layout(config.gate_up_layout),
+                                config.gate_up_impl == "fused")
         # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.
         self._ranks_agree_on = None
         # Said once per layer: a non-reentrant recompute replays but cannot skip.
@@ -187,12 +194,10 @@ class MoELayer(nn.Module):
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
         gate_up_bias, down_bias = self._expert_biases()
-        y = functional.experts(
-            rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
-            activation=c.activation, gate_up_impl=c.gate_up_impl, layout=c.gate_up_layout,
-            alpha=c.activation_alpha, limit=c.activation_limit,
-            weights=row_w if c.score_apply == "activation" else None,
-            gate_up_bias=gate_up_bias, down_bias=down_bias, weight_grad_slot=slot)
+        # functional.experts' contract; its checks are the config's and _check_parameters'.
+        y = Experts.apply(rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
+                          row_w if c.score_apply == "activation" else None, gate_up_bias,
+                          down_bias, *self._experts_static, slot)
         if c.score_apply == "post" and post_weighting:
             y = self._weight_rows(y, row_w)
         return y
@@ -234,31 +239,43 @@ class MoELayer(nn.Module):
                 and gu.device == dev and dn.device == dev and w.device == dev
                 and (w.shape, gu.shape, dn.shape) == self._param_shapes
                 and (b is None or (b.dtype == w.dtype and b.device == dev))):
-            self._check_biases(b)
+            self._check_biases(b, dt, dev)
             return
         self._explain_parameters(x, (w, gu, dn), b)
 
-    def _check_biases(self, router_bias) -> None:
+    def _check_biases(self, router_bias, dtype, device) -> None:
         """The biases the config asks for are there, with their shapes, and no others: a
         missing one would silently drop a term, an extra one silently add (or be ignored).
-        (A view of other modules' experts may not define absent biases at all.)"""
+        (A view of other modules' experts may not define absent biases at all.) The
+        experts' biases have x's dtype and every bias x's device (the router bias's dtype
+        is checked with the router weight's)."""
         ex = self.experts
         found = (router_bias, self.router.e_score_correction_bias,
                  getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
         expected = self._bias_spec
-        if all(t is None if shape is None else (t is not None and t.shape == shape)
-               for t, (_, _, shape) in zip(found, expected)):
+        if all(t is None if shape is None else
+               (t is not None and t.shape == shape and t.device == device
+                and (i < 2 or t.dtype == dtype))
+               for i, (t, (_, _, shape)) in enumerate(zip(found, expected))):
             return
-        for t, (name, option, shape) in zip(found, expected):
+        for i, (t, (name, option, shape)) in enumerate(zip(found, expected)):
             wanted = shape is not None
             if (t is not None) != wanted:
                 raise ValueError(
                     f"{name} is {'missing' if wanted else 'set'} but the config has "
                     f"{option}={wanted}: build the layer from a config with {option}="
                     f"{not wanted}, or {'restore' if wanted else 'remove'} {name}")
-            if t is not None and tuple(t.shape) != shape:
+            if t is None:
+                continue
+            if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(t.shape)}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but x is on {device}: move the "
+                                 "layer to x's device (layer.to(x.device))")
+            if i >= 2 and t.dtype != dtype:
+                raise TypeError(f"{name} is {t.dtype} but x is {dtype}: the experts' biases "
+                                "take x's dtype (layer.to(x.dtype))")
 
     def _explain_parameters(self, x, params, bias) -> None:
         for name, p, shape in zip(self._PARAMS, params, self._param_shapes):

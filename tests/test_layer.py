@@ -205,6 +205,21 @@ def test_biases_must_match_the_config(name, option):
                 layer(x)
 
 
+@pytest.mark.parametrize("attr", ["gate_up_proj_bias", "down_proj_bias"])
+def test_expert_biases_must_have_the_inputs_dtype_and_device(attr):
+    """The layer calls the experts' shell without functional.experts' checks, so its own
+    check covers what those did for the biases: x's dtype and device."""
+    x = torch.randn(3, 8)
+    layer = MoELayer(_cfg(expert_bias=True))
+    bias = getattr(layer.experts, attr)
+    setattr(layer.experts, attr, torch.nn.Parameter(bias.detach().double()))
+    with pytest.raises(TypeError, match=f"experts.{attr} is torch.float64 but x is torch.float32"):
+        layer(x)
+    setattr(layer.experts, attr, torch.nn.Parameter(bias.detach().to("meta")))
+    with pytest.raises(ValueError, match=f"experts.{attr} is on meta but x is on cpu"):
+        layer(x)
+
+
 # ---- expert parallelism over gloo ---------------------------------------------------------
 
 def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):

@@ -11,6 +11,7 @@ import moe_fn.kernels as ops
 from moe_fn.kernels import _registry
 from moe_fn.pure import activations as pa
 from moe_fn.pure import row_weight as pr
+from tests.kernels.forcing import force_triton
 
 OPS = torch.ops.moe_fn
 OAI = pa.resolve_activation("swiglu_oai")
@@ -126,17 +127,7 @@ def test_wrappers_pure_path():
 
 def test_wrappers_triton_path(monkeypatch):
     """The ops' Triton branch (normally CUDA only), forced on CPU under the interpreter."""
-    from moe_fn.kernels.activation import interpreting
-
-    if not interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
-    calls = []
-
-    def force(t):
-        calls.append(t.dtype)
-        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-
-    monkeypatch.setattr(_registry, "use_triton", force)
+    calls = force_triton(monkeypatch, _registry)
     _compare_wrappers()
     assert calls
 

@@ -14,6 +14,7 @@ import moe_fn.kernels as K
 from moe_fn.kernels.router import launch_router_fwd, launch_router_linear_fwd, linear_supported
 from moe_fn.pure import router as pure_router
 from moe_fn.pure.router import SCORE_FUNCS, SCORE_ID, router_fwd
+from tests.kernels.forcing import force_triton
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,13 +173,7 @@ def test_wrapper_raises_like_pure(args, kw, monkeypatch):
     # On the CPU the wrapper's kernel branch is forced (under the interpreter), so that its
     # own checks, not the pure function's, are compared.
     if DEV == "cpu":
-        from moe_fn.kernels.activation import interpreting
-
-        if not interpreting():
-            pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
-        monkeypatch.setattr(K, "use_triton", lambda t: t.dtype in (torch.float16,
-                                                                  torch.bfloat16,
-                                                                  torch.float32))
+        force_triton(monkeypatch, K)
     args = tuple(a.to(DEV) for a in args)
     with pytest.raises((TypeError, ValueError)) as want:
         router_fwd(*args, **kw)
@@ -210,18 +205,10 @@ def test_wrapper_cuda_runs_kernel(score_func):
 @pytest.fixture
 def kernel_branch(monkeypatch):
     """``K.router_fwd``'s kernel branch (normally CUDA only) taken on the CPU, under the
-    interpreter; yields the dtypes it was asked about, to prove the branch ran."""
-    from moe_fn.kernels.activation import interpreting
-
-    if torch.cuda.is_available() or not interpreting():
-        pytest.skip("CPU under TRITON_INTERPRET=1 only (on a GPU the branch runs as it is)")
-    asked = []
-
-    def force(t):
-        asked.append(t.dtype)
-        return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    monkeypatch.setattr(K, "use_triton", force)
-    return asked
+    interpreter; the dtypes it was asked about, to prove the branch ran."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU only: on a GPU the branch runs as it is")
+    return force_triton(monkeypatch, K)
 
 
 @pytest.mark.parametrize("score_func", SCORE_FUNCS)

@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
         self._bias_spec = self._expected_biases(config)
         # The experts' static arguments, resolved once: the layer calls their shell directly
         # (functional.experts would validate on every call what the config and the layer's
-        # own checks already have: ~40 us of host time before the first GEMM).
+        # own checks already have).
         self._experts_static = (*config.act_static, resolve_layout(config.gate_up_layout),
                                 config.gate_up_impl == "fused")
         # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.

@@ -12,16 +12,15 @@ three values.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
 ``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``.
-``router_fwd`` and ``router_linear_fwd`` (the
-router's linear and its routing in one launch) are plain functions (no custom op): their
-Triton kernel runs in eager mode only. The explicit Triton launchers (any device; CPU
-under ``TRITON_INTERPRET=1``) are ``moe_fn.kernels.activation.launch_*`` and
-``moe_fn.kernels.row_weight.launch_*``. ``layout`` and ``layout_with_tokens`` are plain
-functions too: two or three Triton launches for CUDA ``topk_idx`` in eager mode
-(``moe_fn.kernels.dispatch_layout.launch_layout``), the pure ``layout`` elsewhere; so are
-the exchanges' layout halves around their host sync, ``peer_home_side`` /
-``peer_receiver_side`` (``symm_mem``) and ``rows_home_side`` / ``rows_receiver_side``
-(the collective row all_to_all), in ``moe_fn.kernels.peer_layout``.
+``router_fwd`` and ``router_linear_fwd`` (the router's linear and its routing in one launch)
+are plain functions (no custom op): their Triton kernel runs in eager mode only. The
+explicit Triton launchers (any device; CPU under ``TRITON_INTERPRET=1``) are
+``moe_fn.kernels.activation.launch_*`` and ``moe_fn.kernels.row_weight.launch_*``.
+``layout`` and ``layout_with_tokens`` are plain functions too: two or three Triton launches
+for CUDA ``topk_idx`` in eager mode (``moe_fn.kernels.dispatch_layout.launch_layout``), the
+pure ``layout`` elsewhere; so are the exchanges' layout halves around their host sync,
+``peer_home_side`` / ``peer_receiver_side`` (``symm_mem``) and ``rows_home_side`` /
+``rows_receiver_side`` (the collective row all_to_all), in ``moe_fn.kernels.peer_layout``.
 """
 
 from __future__ import annotations

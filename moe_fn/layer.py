@@ -448,8 +448,8 @@ class MoELayer(nn.Module):
         if not isinstance(return_router_logits, bool):
             raise TypeError(f"return_router_logits must be a bool, got "
                             f"{type(return_router_logits).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        if x.dtype not in FLOAT_DTYPES:  # float8 too: the experts' kernels take none
+            raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")

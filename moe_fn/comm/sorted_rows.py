@@ -3,8 +3,11 @@
 The home rank sorts its T*k rows by global expert (``RoutePlan.perm``); the rows for rank
 d are then contiguous, so one ``all_to_all_single`` with split sizes moves them. A rank's
 rows for its own experts never enter the collective: they are copied into place while the
-remote rows are in flight. The receiver places every row at its expert-major position
-(``local_offs``). Combine runs the same moves backwards and sums each token's k rows.
+remote rows are in flight. Towards the experts every row is copied straight to its
+expert-major position (``local_offs``), the own ones on part of the GPU so that the
+collective's kernel starts at once, the arriving ones when they arrive: one pass over each
+row besides the sender's gather. Combine runs the moves backwards and sums each token's k
+rows.
 """
 
 from __future__ import annotations
@@ -54,20 +57,27 @@ class SortedRowsExchange(Exchange):
     # Both take optional ``weights``, one value per moved row (routing weights, their
     # gradients), which travel packed behind the rows in the same collective (``pack_rows``)
     # and come back in the order the finished move's gather puts the rows in.
-    def _to_experts(self, token_rows, h: SortedRowsHandle, *, async_op=False):
-        """Token rows ``(T, D)`` -> expert rows ``(N, D)``; returns ``finish() -> rows``."""
-        finish = self._to_experts_unordered(token_rows, h, async_op=async_op)
-
-        def rows():
-            src, index, _ = finish()
-            return kernels.gather_rows(src, index)
-        return rows
+    def _to_experts(self, token_rows, h: SortedRowsHandle):
+        """Token rows ``(T, D)`` -> expert rows ``(N, D)``: own rows copied straight to their
+        expert-major places while the remote rows are in flight, the remote rows to theirs
+        once arrived (no buffer of all rows gathered a second time)."""
+        if h.self_dst is None:  # one rank: sorted order is expert order
+            return kernels.gather_rows(token_rows, h.self_tokens)
+        out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
+        buf, work = self._exchange(token_rows.index_select(0, h.remote_tokens), h.send_splits,
+                                   h.recv_splits, async_op=True)
+        kernels.copy_rows(token_rows, h.self_tokens, out, h.self_dst,
+                          num_programs=_beside_collective(out))
+        if work is not None:
+            work.wait()
+        return kernels.copy_rows(buf, None, out, h.recv_dst)
 
     def _to_experts_unordered(self, token_rows, h: SortedRowsHandle, *, async_op=False,
                               weights=None):
-        """The moves of ``_to_experts`` without its last gather: ``finish() -> (src, index,
-        row_weights)`` with expert row i at ``src[index[i]]`` and, given ``weights (T*k,)``,
-        its weight at ``row_weights[i]``."""
+        """Token rows towards the experts as a buffer and an index, for callers that fuse
+        the last gather into their own kernel or send packed ``weights``: ``finish() ->
+        (src, index, row_weights)`` with expert row i at ``src[index[i]]`` and, given
+        ``weights (T*k,)``, its weight at ``row_weights[i]``."""
         if h.self_dst is None:  # one rank: sorted order is expert order
             w = None if weights is None else weights.index_select(0, h.flat.self_tokens)
             return lambda: (token_rows, h.self_tokens, w)
@@ -131,9 +141,11 @@ class SortedRowsExchange(Exchange):
             check_cached_tokens(x, handle)
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
+        if weights is None:
+            return self._to_experts(x, handle), None, handle
         # (T, k) weights are indexed by flattened (token, k) row.
         src, index, row_weights = self._to_experts_unordered(
-            x, handle, async_op=True, weights=None if weights is None else weights.reshape(-1))()
+            x, handle, async_op=True, weights=weights.reshape(-1))()
         return kernels.gather_rows(src, index), row_weights, handle
 
     def dispatch_bwd(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
@@ -161,7 +173,7 @@ class SortedRowsExchange(Exchange):
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
         self.counters["combine_backward"] += 1
-        return self._to_experts(d_out, handle, async_op=True)()
+        return self._to_experts(d_out, handle)
 
     def combine_bwd_weighted_rows(self, handle: SortedRowsHandle, d_out, rows, row_weights, *,
                                   fused: bool):
@@ -196,24 +208,35 @@ class SortedRowsExchange(Exchange):
             return d_rows, d_w.reshape(plan.num_tokens, k)
         flat = handle.flat
         pos_to_row = torch.cat([flat.remote_tokens, flat.self_tokens])
-        n_recv = sum(handle.recv_splits)
-        buf = src.new_empty((handle.num_rows, src.shape[1]))
-        # The own rows' gradients land straight in the receive buffer's tail.
+        d_rows = src.new_empty((handle.num_rows, src.shape[1]))
+        # The own rows' gradients land straight at their expert-major places.
         send, _, d_w = self._weighted_bwd(d_out, src, pos_to_row, w, k,
                                           split=flat.remote_tokens.numel(),
-                                          hi_out=buf[n_recv:])
-        _, work = self._exchange(send, handle.send_splits, handle.recv_splits,
-                                 async_op=True, out=buf[:n_recv])
+                                          hi_out=d_rows, hi_index=handle.self_dst)
+        buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
+                                   async_op=True)
         if work is not None:
             work.wait()
-        return buf.index_select(0, handle.expert_src), d_w.reshape(plan.num_tokens, k)
+        kernels.copy_rows(buf, None, d_rows, handle.recv_dst)
+        return d_rows, d_w.reshape(plan.num_tokens, k)
 
-    def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None):
+    def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None,
+                      hi_index=None):
         if self.fused_combine:
             return kernels.weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k, split=split,
-                                                   hi_out=hi_out)
+                                                   hi_out=hi_out, hi_index=hi_index)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
-        return (*split_rows(d_rows, split, hi_out), d_w)
+        return (*split_rows(d_rows, split, hi_out, hi_index), d_w)
+
+
+def _beside_collective(t: torch.Tensor) -> int | None:
+    """Programs for a copy queued beside a collective: half the GPU's SMs, so that the
+    collective's kernel finds free SMs when it starts (over every SM the dispatch took ~3%
+    longer, over 16 programs the copy outlasted the transfer; bench/RESULTS.md). None (no
+    cap) off CUDA."""
+    if not t.is_cuda:
+        return None
+    return torch.cuda.get_device_properties(t.device).multi_processor_count // 2
 
 
 class LocalExchange(SortedRowsExchange):

@@ -45,6 +45,7 @@ __all__ = [
     "gather_sum_fwd",
     "masked_gather_sum",
     "pack_rows",
+    "copy_rows",
     "layout",
     "peer_home_side",
     "peer_receiver_side",
@@ -215,19 +216,20 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
 
 
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
-                            split: int | None = None, hi_out=None):
+                            split: int | None = None, hi_out=None, hi_index=None):
     """The weighted combine's backward in one pass (see
     ``moe_fn.pure.dispatch.weighted_gather_sum_bwd``), its row gradients split at ``split``:
     returns ``(lo (split, H), hi (P - split, H), d_weights)``; ``hi`` is written into
-    ``hi_out`` when given. Not an op: the exchanges that call it run eagerly."""
+    ``hi_out`` when given, at the rows ``hi_index`` names when that is given too. Not an op:
+    the exchanges that call it run eagerly."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_weighted_gather_sum_bwd
 
         return launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k,
-                                              split=split, hi_out=hi_out)
+                                              split=split, hi_out=hi_out, hi_index=hi_index)
     d_rows, d_w = _pure_dispatch.weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights,
                                                          top_k)
-    return (*_pure_dispatch.split_rows(d_rows, split, hi_out), d_w)
+    return (*_pure_dispatch.split_rows(d_rows, split, hi_out, hi_index), d_w)
 
 
 def _use_layout_kernel(topk_idx) -> bool:
@@ -319,6 +321,26 @@ def gather_rows(src, index, *, out=None):
         return launch_gather_rows(src, index, out)
     rows = src.index_select(0, index)
     return rows if out is None else out.copy_(rows)
+
+
+def copy_rows(src, index, out, out_index=None, *, num_programs=None):
+    """``out[out_index[i]] = src[index[i]]`` in one pass (``src[i]`` when ``index`` is None,
+    ``out[i]`` when ``out_index`` is None; one of them must be given): rows gathered and
+    scattered at once, e.g. straight to their expert-major places. On CUDA ``num_programs``
+    caps the Triton grid, so that a copy queued beside a collective leaves the collective's
+    kernel SMs to start on. Returns ``out``. Not an op: the exchanges that call it run
+    eagerly."""
+    if index is None and out_index is None:
+        raise ValueError("copy_rows needs index, out_index or both")
+    if use_triton(out) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_copy_rows
+
+        return launch_copy_rows(src, index, out, out_index, num_programs=num_programs)
+    rows = src[:out_index.numel()] if index is None else src.index_select(0, index)
+    if out_index is None:
+        out[:rows.shape[0]].copy_(rows)
+        return out
+    return out.index_copy_(0, out_index.long(), rows)
 
 
 def pack_rows(rows, index, values, values_index, out, tail: int):

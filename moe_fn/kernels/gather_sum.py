@@ -124,31 +124,39 @@ def _scale_and_dot(d_row, y_row, dst_row, w, H, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, lo_ptr,
-                                    hi_ptr, dw_ptr, H, split, s_d, s_r, s_lo, s_hi,
-                                    K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                    VEC: tl.constexpr):
+                                    hi_ptr, hi_idx_ptr, dw_ptr, H, split, s_d, s_r, s_lo,
+                                    s_hi, K: tl.constexpr, HAS_HI_IDX: tl.constexpr,
+                                    BLOCK_C: tl.constexpr, VEC: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     r = tl.load(pos_to_row_ptr + p).to(tl.int64)
     t = r // K
     w = tl.load(w_ptr + r).to(tl.float32)
     # Positions below ``split`` go to one buffer (the rows to send), the rest to another
-    # (own rows, written straight into the receive buffer's tail): no copy afterwards.
-    dst = tl.where(p < split, lo_ptr + p * (s_lo * VEC), hi_ptr + (p - split) * (s_hi * VEC))
+    # (own rows, written straight where they end up, at ``hi_idx`` when given): no copy
+    # afterwards.
+    q = p - split
+    if HAS_HI_IDX:
+        q = tl.load(hi_idx_ptr + tl.maximum(q, 0), mask=p >= split, other=0).to(tl.int64)
+    dst = tl.where(p < split, lo_ptr + p * (s_lo * VEC), hi_ptr + q * (s_hi * VEC))
     dot = _scale_and_dot(d_out_ptr + t * (s_d * VEC), rows_ptr + p * (s_r * VEC), dst, w, H,
                          BLOCK_C)
     tl.store(dw_ptr + r, dot.to(dw_ptr.dtype.element_ty))
 
 
 def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
-                                   split: int | None = None, hi_out=None):
+                                   split: int | None = None, hi_out=None, hi_index=None):
     """``d_rows[p] = w[r] * d_out[r // k]`` and ``d_w[r] = <d_out[r // k], rows[p]>`` for
     ``r = pos_to_row[p]``. Rows ``p < split`` land in a new ``(split, H)`` tensor, the rest
-    in ``hi_out`` (``(P - split, H)``; new when None). Returns ``(lo, hi, d_w)``."""
+    in ``hi_out`` (``(P - split, H)``; new when None), row ``p`` at ``hi_out[hi_index[p -
+    split]]`` given ``hi_index``. Returns ``(lo, hi, d_w)``."""
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     p, h = rows.shape
     split = p if split is None else split
     lo = rows.new_empty((split, h))
+    if hi_index is not None and (hi_out is None or hi_index.numel() != p - split):
+        raise ValueError(f"hi_index needs hi_out and one entry per row from {split} on "
+                         f"({p - split}), got {hi_index.numel()}")
     hi = rows.new_empty((p - split, h)) if hi_out is None else hi_out
     d_w = torch.empty(p, dtype=weights.dtype, device=rows.device)
     if p == 0:
@@ -162,9 +170,10 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
     strides = (d_out.stride(0), rows.stride(0), lo_arg.stride(0), hi_arg.stride(0))
     vec = _vec(rows, *strides)
     launch(_weighted_gather_sum_bwd_kernel, (p,),
-           d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg, d_w, h,
-           split, *(s // vec for s in strides), K=top_k, BLOCK_C=block, VEC=vec,
-           num_warps=4 if block >= 512 else 2)
+           d_out, rows, pos_to_row.contiguous(), weights.contiguous(), lo_arg, hi_arg,
+           pos_to_row if hi_index is None else hi_index.contiguous(), d_w, h, split,
+           *(s // vec for s in strides), K=top_k, HAS_HI_IDX=hi_index is not None,
+           BLOCK_C=block, VEC=vec, num_warps=4 if block >= 512 else 2)
     return lo, hi, d_w
 
 
@@ -202,14 +211,16 @@ def launch_gather_row_weight_bwd(src, index, rows, weights):
 
 
 @triton.jit
-def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_bytes_ptr, N, H,
-                      s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_VALS: tl.constexpr,
-                      HAS_VIDX: tl.constexpr, VB: tl.constexpr, VB_P: tl.constexpr,
-                      ES: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                      VEC: tl.constexpr):
-    # ROWS output rows per program, BLOCK_C columns a step (bench/gpu_gather.py sweeps both).
-    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, out_bytes_ptr,
+                N, H, s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_IDX: tl.constexpr,
+                HAS_VALS: tl.constexpr, HAS_VIDX: tl.constexpr, HAS_DIDX: tl.constexpr,
+                VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+    i = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     mi = i < N
+    o = i  # the output row
+    if HAS_DIDX:
+        o = tl.load(didx_ptr + i, mask=mi, other=0).to(tl.int64)
     if HAS_VALS:  # loaded before the rows' copy, so their latency can overlap it
         j = i
         if HAS_VIDX:
@@ -218,16 +229,38 @@ def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, out_ptr, out_byte
         mb = mi[:, None] & (b < VB)[None, :]
         raw = tl.load(vals_ptr + j[:, None] * VB + b[None, :], mask=mb)
     if HAS_ROWS:
-        r = tl.load(index_ptr + i, mask=mi, other=0).to(tl.int64)
+        r = i
+        if HAS_IDX:
+            r = tl.load(index_ptr + i, mask=mi, other=0).to(tl.int64)
         src = rows_ptr + r[:, None] * (s_r * VEC)
-        dst = out_ptr + i[:, None] * (s_o * VEC)
+        dst = out_ptr + o[:, None] * (s_o * VEC)
         for c0 in range(0, H, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             m = mi[:, None] & (cols < H)[None, :]
             tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
     if HAS_VALS:
-        tl.store(out_bytes_ptr + i[:, None] * (s_o * VEC * ES) + tail + b[None, :], raw,
+        tl.store(out_bytes_ptr + o[:, None] * (s_o * VEC * ES) + tail + b[None, :], raw,
                  mask=mb)
+
+
+@triton.jit
+def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, out_bytes_ptr,
+                      N, H, s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_IDX: tl.constexpr,
+                      HAS_VALS: tl.constexpr, HAS_VIDX: tl.constexpr, HAS_DIDX: tl.constexpr,
+                      VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
+                      PERSISTENT: tl.constexpr):
+    # ROWS rows a block (bench/gpu_gather.py sweeps it and BLOCK_C): one block per program,
+    # or on a capped grid (PERSISTENT) every num_programs-th block.
+    if PERSISTENT:
+        for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
+            _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr,
+                        out_bytes_ptr, N, H, s_r, s_o, tail, HAS_ROWS, HAS_IDX, HAS_VALS,
+                        HAS_VIDX, HAS_DIDX, VB, VB_P, ES, ROWS, BLOCK_C, VEC)
+    else:
+        _pack_block(tl.program_id(0), rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr,
+                    out_ptr, out_bytes_ptr, N, H, s_r, s_o, tail, HAS_ROWS, HAS_IDX, HAS_VALS,
+                    HAS_VIDX, HAS_DIDX, VB, VB_P, ES, ROWS, BLOCK_C, VEC)
 
 
 # Rows per program and columns per step of the packing/gather kernel (the device bench
@@ -242,6 +275,25 @@ def launch_gather_rows(src, index, out=None, *, rows_per_program=None, block_c=N
     out = _output(out, index.numel(), src.shape[1], src)
     return _launch_pack(src, index, None, None, out, 0, rows_per_program, block_c,
                         num_warps)
+
+
+def launch_copy_rows(src, index, out, out_index=None, *, num_programs=None):
+    """``out[out_index[i]] = src[index[i]]`` (``src[i]`` without ``index``, ``out[i]``
+    without ``out_index``; one of them given) for every entry; ``num_programs`` caps the
+    grid. ``src`` and ``out`` may be row-strided views."""
+    n = (out_index if out_index is not None else index).numel()
+    if index is not None and out_index is not None and index.numel() != n:
+        raise ValueError(f"{index.numel()} source indices for {n} destination indices")
+    if (index is None and src.shape[0] < n) or (out_index is None and out.shape[0] < n):
+        raise ValueError(f"{n} rows to copy from {src.shape[0]} into {out.shape[0]}")
+    if src.dtype != out.dtype or src.shape[1:] != out.shape[1:] or out.stride(-1) != 1:
+        raise ValueError(f"out ({tuple(out.shape)} {out.dtype}, strides {out.stride()}) must "
+                         f"take src's rows ({tuple(src.shape)} {src.dtype}) with contiguous "
+                         "columns")
+    src = src if src.stride(-1) == 1 else src.contiguous()
+    return _launch_pack(src, index, None, None, out, 0, None, None, None, num_rows=n,
+                        out_index=None if out_index is None else out_index.contiguous(),
+                        num_programs=num_programs)
 
 
 def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
@@ -268,8 +320,8 @@ def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
 
 
 def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, block_c,
-                 num_warps):
-    n = out.shape[0]
+                 num_warps, *, num_rows=None, out_index=None, num_programs=None):
+    n = out.shape[0] if num_rows is None else num_rows
     if n == 0:
         return out
     h = 0 if rows is None else rows.shape[1]
@@ -279,12 +331,17 @@ def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, b
     vec = _vec(out, src.stride(0), out.stride(0))
     vb = 0 if vals is None else vals.shape[1]
     dummy = out
-    launch(_pack_rows_kernel, (cdiv(n, per),),
-           src, dummy if rows is None else index.contiguous(), dummy if vals is None else vals,
-           dummy if values_index is None else values_index.contiguous(), out,
+    blocks = cdiv(n, per)
+    grid = blocks if num_programs is None else max(1, min(num_programs, blocks))
+    launch(_pack_rows_kernel, (grid,),
+           src, dummy if index is None else index.contiguous(),
+           dummy if vals is None else vals,
+           dummy if values_index is None else values_index.contiguous(),
+           dummy if out_index is None else out_index, out,
            out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
-           out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_VALS=vals is not None,
-           HAS_VIDX=values_index is not None, VB=vb, VB_P=next_pow2(max(vb, 1)),
+           out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_IDX=index is not None,
+           HAS_VALS=vals is not None, HAS_VIDX=values_index is not None,
+           HAS_DIDX=out_index is not None, VB=vb, VB_P=next_pow2(max(vb, 1)),
            ES=out.element_size(), ROWS=per, BLOCK_C=block, VEC=vec,
-           num_warps=num_warps or PACK_WARPS)
+           PERSISTENT=grid < blocks, num_warps=num_warps or PACK_WARPS)
     return out

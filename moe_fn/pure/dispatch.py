@@ -268,12 +268,18 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     return out, WeightedGatherSumRes(rows, index, weights, top_k)
 
 
-def split_rows(rows, split: int | None, hi_out=None):
-    """``(rows[:split], rows[split:])``, the second copied into ``hi_out`` when given (the
-    layout the fused weighted-combine backward writes directly)."""
+def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
+    """``(rows[:split], rows[split:])``, the second copied into ``hi_out`` when given (at
+    its rows ``hi_index`` when that is given too): the layout the fused weighted-combine
+    backward writes directly."""
     split = rows.shape[0] if split is None else split
-    hi = rows[split:] if hi_out is None else hi_out.copy_(rows[split:])
-    return rows[:split], hi
+    if hi_out is None:
+        if hi_index is not None:
+            raise ValueError("hi_index needs hi_out")
+        return rows[:split], rows[split:]
+    if hi_index is None:
+        return rows[:split], hi_out.copy_(rows[split:])
+    return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 
 # Row at position p holds flattened row r = pos_to_row[p] of token r // k:

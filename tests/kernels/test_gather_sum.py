@@ -374,3 +374,78 @@ def test_pack_rows_kernel_rejects_rows_that_would_overwrite_the_values():
                             out, 16)
     with pytest.raises(ValueError, match="out's dtype"):
         gs.launch_pack_rows(torch.randn(2, 8, device=DEV), index, values, None, out, 16)
+
+
+def _copy_rows_oracle(src, index, out, out_index):
+    want = out.clone()
+    n = (out_index if out_index is not None else index).numel()
+    for i in range(n):
+        d = i if out_index is None else int(out_index[i])
+        want[d] = src[i if index is None else int(index[i])]
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_index,with_out_index", [(True, True), (False, True),
+                                                       (True, False)])
+@pytest.mark.parametrize("num_programs", [None, 1, 2])
+@pytest.mark.parametrize("n", [0, 7])
+def test_copy_rows_kernel_and_wrapper_match_a_loop(dtype, with_index, with_out_index,
+                                                   num_programs, n):
+    """Rows gathered and scattered in one pass; a capped grid still copies every row, and
+    rows no index names stay as they were."""
+    from moe_fn.kernels import copy_rows
+
+    g = torch.Generator().manual_seed(n)
+    wide = torch.randn(9, 41, generator=g).to(dtype)
+    src = wide[:, :33]  # a row-strided view
+    index = torch.randperm(9, generator=g)[:n] if with_index else None
+    out_index = torch.randperm(12, generator=g)[:n] if with_out_index else None
+    out = torch.full((12, 33), 5.0, dtype=dtype)
+    want = _copy_rows_oracle(src, index, out, out_index)
+    dev = [None if t is None else t.to(DEV) for t in (index, out_index)]
+    got = gs.launch_copy_rows(src.to(DEV), dev[0], out.to(DEV), dev[1],
+                              num_programs=num_programs)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(copy_rows(src, index, out.clone(), out_index), want)  # CPU wrapper
+
+
+def test_copy_rows_rejects_what_does_not_match():
+    from moe_fn.kernels import copy_rows
+
+    src, out = torch.zeros(4, 8), torch.zeros(6, 8)
+    with pytest.raises(ValueError, match="needs index, out_index or both"):
+        copy_rows(src, None, out)
+    with pytest.raises(ValueError, match="3 source indices for 2 destination"):
+        gs.launch_copy_rows(src, torch.arange(3), out, torch.arange(2))
+    with pytest.raises(ValueError, match="5 rows to copy from 4"):
+        gs.launch_copy_rows(src, None, out, torch.arange(5))
+    with pytest.raises(ValueError, match="must take src's rows"):
+        gs.launch_copy_rows(src, torch.arange(2), torch.zeros(6, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_weighted_bwd_scatters_the_tail_at_hi_index(fused):
+    """Rows from ``split`` on land at ``hi_out[hi_index]``; the other rows of ``hi_out``
+    stay as they were."""
+    rows, index, w = _weighted_case(4, 2, 16, torch.float32)
+    d = torch.randn(4, 16)
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
+    hi_index = torch.tensor([6, 0, 3, 9, 2])
+    hi_out = torch.full((10, 16), 3.0)
+    full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
+    want = hi_out.clone()
+    want[hi_index] = full[3:]
+    if fused:
+        lo, hi, d_w = gs.launch_weighted_gather_sum_bwd(
+            d.to(DEV), rows.to(DEV), pos_to_row.to(DEV), w.to(DEV), 2, split=3,
+            hi_out=hi_out.to(DEV), hi_index=hi_index.to(DEV))
+    else:
+        lo, hi, d_w = kernel_weighted_bwd(d, rows, pos_to_row, w, 2, split=3, hi_out=hi_out,
+                                          hi_index=hi_index)
+    torch.testing.assert_close(lo.cpu(), full[:3])
+    torch.testing.assert_close(hi.cpu(), want)
+    torch.testing.assert_close(d_w.cpu(), full_w)
+    with pytest.raises(ValueError, match="hi_index needs hi_out"):
+        (gs.launch_weighted_gather_sum_bwd if fused else kernel_weighted_bwd)(
+            d, rows, pos_to_row, w, 2, split=3, hi_index=hi_index)

@@ -222,7 +222,9 @@ def test_expert_biases_must_have_the_inputs_dtype_and_device(attr):
 
 # ---- expert parallelism over gloo ---------------------------------------------------------
 
-def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):
+def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64):
+    """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against one float64
+    layer holding every expert and every rank's tokens (float32: within its rounding)."""
     torch.manual_seed(seed)
     cfg_full = _cfg(**kw)
     ref = MoELayer(cfg_full, dtype=torch.float64)
@@ -242,7 +244,7 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):
     (out_all * torch.cat(gs)).sum().backward()
 
     cfg = _cfg(**kw, comm_backend="all_to_all", ep_size=world, **(exchange_kw or {}))
-    layer = MoELayer(cfg, dtype=torch.float64)
+    layer = MoELayer(cfg, dtype=dtype)
     e_local = cfg.num_local_experts
     sl = slice(rank * e_local, (rank + 1) * e_local)
     with torch.no_grad():
@@ -256,26 +258,29 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None):
             layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
         if cfg.score_correction_bias:
             layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
-    x = xs[rank].clone().requires_grad_()
+    x = xs[rank].to(dtype).requires_grad_()
     out = layer(x)
-    (out * gs[rank]).sum().backward()
+    (out * gs[rank].to(dtype)).sum().backward()
+
+    def assert_close(got, want):
+        tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want.to(dtype), **tol)
     start = sum(tokens_per_rank[:rank])
     rows = slice(start, start + tokens_per_rank[rank])
-    torch.testing.assert_close(out, out_all[rows].detach())
-    torch.testing.assert_close(x.grad, x_all.grad[rows])
+    assert_close(out, out_all[rows].detach())
+    assert_close(x.grad, x_all.grad[rows])
     router_grad = layer.router.weight.grad.clone()
     dist.all_reduce(router_grad)
-    torch.testing.assert_close(router_grad, ref.router.weight.grad)
+    assert_close(router_grad, ref.router.weight.grad)
     if cfg.router_bias:
         bias_grad = layer.router.bias.grad.clone()
         dist.all_reduce(bias_grad)
-        torch.testing.assert_close(bias_grad, ref.router.bias.grad)
-    torch.testing.assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
-    torch.testing.assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
+        assert_close(bias_grad, ref.router.bias.grad)
+    assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
+    assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
     if cfg.expert_bias:
         for name in ("gate_up_proj_bias", "down_proj_bias"):
-            torch.testing.assert_close(getattr(layer.experts, name).grad,
-                                       getattr(ref.experts, name).grad[sl])
+            assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl])
     c = layer.exchange.counters
     assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
     if cfg.score_correction_bias:

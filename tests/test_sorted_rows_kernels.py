@@ -1,45 +1,25 @@
 """The row all_to_all's moves through their Triton kernels (the interpreter on the CPU):
 every row placed straight at its expert-major position, the own rows while the others are
-in flight, must give the pure moves' results, output and every gradient, over gloo."""
+in flight. Each rank's float32 output and gradients must match one float64 layer holding
+every expert and every rank's tokens, over gloo."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_fn import MoEConfig, MoELayer
 from moe_fn.kernels.activation import interpreting
 from tests.dist_utils import run_distributed
+from tests.test_layer import EP_CASES, _ep_case
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TOKENS = {2: [6, 4], 3: [5, 0, 7]}  # world 3: a rank without tokens of its own
 
 
-def _run(rank, world, combine_impl, skew, calls):
-    cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2,
-                    combine_impl=combine_impl, comm_backend="all_to_all", ep_size=world)
-    layer = MoELayer(cfg)
-    el = cfg.num_local_experts
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        w = torch.randn(4, 16, generator=g)
-        if skew:  # every token to rank 0's experts: rank 1 keeps and receives no row
-            w[el:] -= 100.0
-        layer.router.weight.copy_(w)
-        layer.experts.gate_up_proj.copy_(torch.randn(4, 16, 16, generator=g)[rank * el:][:el])
-        layer.experts.down_proj.copy_(torch.randn(4, 16, 8, generator=g)[rank * el:][:el])
-    x = torch.randn(9 + rank, 16, generator=torch.Generator().manual_seed(rank)) + 0.5
-    x.requires_grad_()
-    out = layer(x)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank)))
-    assert layer.exchange.counters["dispatch"] == 1 and layer.exchange.counters["combine"] == 1
-    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
-
-
-def _body(rank, world, combine_impl, skew):
+def _body(rank, world, tokens):
     import moe_fn.kernels as kernels
     from moe_fn.kernels import gather_sum
 
-    want = _run(rank, world, combine_impl, skew, None)
     calls = []
     real_copy, real_bwd = gather_sum.launch_copy_rows, gather_sum.launch_weighted_gather_sum_bwd
 
@@ -50,26 +30,34 @@ def _body(rank, world, combine_impl, skew):
     def weighted_bwd(*a, **kw):
         calls.append("weighted_bwd" if kw.get("hi_index") is None else "weighted_bwd_scatter")
         return real_bwd(*a, **kw)
-    gather_sum.launch_copy_rows, gather_sum.launch_weighted_gather_sum_bwd = (copy_rows,
-                                                                             weighted_bwd)
+    gather_sum.launch_copy_rows = copy_rows
+    gather_sum.launch_weighted_gather_sum_bwd = weighted_bwd
     kernels.use_triton = lambda t: t.dtype in KERNEL_DTYPES
-    got = _run(rank, world, combine_impl, skew, calls)
-    for a, b in zip(want, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    if combine_impl == "fused":
-        # The dispatch places own rows and arrivals; the weighted combine's backward writes
-        # the own rows' gradients in place and places the arrivals.
-        assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter", "copy_rows"], calls
-    else:
-        # The routing weights travel packed with the dispatch (its gather path); the
-        # combine's backward, a dispatch of the output gradient, places its rows directly.
-        assert calls == ["copy_rows", "copy_rows"], calls
+    # Plain routing, fused weighting, top-k = E/ep, and the route steered off expert 0 and
+    # off the last rank (which then keeps and receives no row).
+    cases = [EP_CASES[0], EP_CASES[1], EP_CASES[3], EP_CASES[4]]
+    for combine_impl in ("eager", "fused"):
+        for n, kw in enumerate(cases):
+            kw = dict(kw, num_experts=4 * world)  # divisible by the world
+            if kw["top_k"] == "E/ep":
+                kw["top_k"] = kw["num_experts"] // world
+            calls.clear()
+            _ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
+                     dtype=torch.float32)
+            if combine_impl == "fused" and kw.get("score_apply", "post") == "post":
+                # The dispatch places own rows and arrivals; the weighted combine's backward
+                # writes the own rows' gradients in place and places the arrivals.
+                assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter",
+                                 "copy_rows"], calls
+            elif combine_impl == "eager" and "row_weighting_impl" not in kw:
+                # The routing weights travel packed with the dispatch (its gather path); the
+                # combine's backward, a dispatch of the output gradient, places its rows.
+                assert calls == ["copy_rows", "copy_rows"], calls
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("combine_impl", ["fused", "eager"])
-@pytest.mark.parametrize("skew", [False, True])
-def test_row_moves_through_kernels_match_the_pure_moves(combine_impl, skew):
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_moves_through_kernels_match_one_float64_layer(world):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
-    run_distributed(_body, 2, combine_impl, skew)
+    run_distributed(_body, world, TOKENS[world])

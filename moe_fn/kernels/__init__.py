@@ -219,9 +219,10 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
                             split: int | None = None, hi_out=None, hi_index=None):
     """The weighted combine's backward in one pass (see
     ``moe_fn.pure.dispatch.weighted_gather_sum_bwd``), its row gradients split at ``split``:
-    returns ``(lo (split, H), hi (P - split, H), d_weights)``; ``hi`` is written into
-    ``hi_out`` when given, at the rows ``hi_index`` names when that is given too. Not an op:
-    the exchanges that call it run eagerly."""
+    returns ``(lo (split, H), hi, d_weights)``, ``hi`` being the rows from ``split`` on
+    (``(P - split, H)``) or ``hi_out`` when given, which receives them in order or, given
+    ``hi_index``, at the rows it names. Not an op: the exchanges that call it run
+    eagerly."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_weighted_gather_sum_bwd
 
@@ -330,15 +331,14 @@ def copy_rows(src, index, out, out_index=None, *, num_programs=None):
     caps the Triton grid, so that a copy queued beside a collective leaves the collective's
     kernel SMs to start on. Returns ``out``. Not an op: the exchanges that call it run
     eagerly."""
-    if index is None and out_index is None:
-        raise ValueError("copy_rows needs index, out_index or both")
-    if use_triton(out) and not torch.compiler.is_compiling():
-        from .gather_sum import launch_copy_rows
+    from .gather_sum import check_copy_rows, launch_copy_rows
 
+    if use_triton(out) and not torch.compiler.is_compiling():
         return launch_copy_rows(src, index, out, out_index, num_programs=num_programs)
-    rows = src[:out_index.numel()] if index is None else src.index_select(0, index)
+    n = check_copy_rows(src, index, out, out_index)
+    rows = src[:n] if index is None else src.index_select(0, index)
     if out_index is None:
-        out[:rows.shape[0]].copy_(rows)
+        out[:n].copy_(rows)
         return out
     return out.index_copy_(0, out_index.long(), rows)
 

@@ -147,8 +147,9 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
                                    split: int | None = None, hi_out=None, hi_index=None):
     """``d_rows[p] = w[r] * d_out[r // k]`` and ``d_w[r] = <d_out[r // k], rows[p]>`` for
     ``r = pos_to_row[p]``. Rows ``p < split`` land in a new ``(split, H)`` tensor, the rest
-    in ``hi_out`` (``(P - split, H)``; new when None), row ``p`` at ``hi_out[hi_index[p -
-    split]]`` given ``hi_index``. Returns ``(lo, hi, d_w)``."""
+    in ``hi_out`` (``(P - split, H)``; new when None) or, given ``hi_index``, row ``p`` at
+    ``hi_out[hi_index[p - split]]`` of a ``hi_out`` of any length. Returns ``(lo, hi,
+    d_w)``, ``hi`` being ``hi_out`` when given."""
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     p, h = rows.shape
@@ -277,19 +278,29 @@ def launch_gather_rows(src, index, out=None, *, rows_per_program=None, block_c=N
                         num_warps)
 
 
-def launch_copy_rows(src, index, out, out_index=None, *, num_programs=None):
-    """``out[out_index[i]] = src[index[i]]`` (``src[i]`` without ``index``, ``out[i]``
-    without ``out_index``; one of them given) for every entry; ``num_programs`` caps the
-    grid. ``src`` and ``out`` may be row-strided views."""
+def check_copy_rows(src, index, out, out_index) -> int:
+    """``copy_rows``' arguments checked (both paths); returns the number of rows to copy."""
+    if index is None and out_index is None:
+        raise ValueError("copy_rows needs index, out_index or both")
     n = (out_index if out_index is not None else index).numel()
     if index is not None and out_index is not None and index.numel() != n:
         raise ValueError(f"{index.numel()} source indices for {n} destination indices")
     if (index is None and src.shape[0] < n) or (out_index is None and out.shape[0] < n):
         raise ValueError(f"{n} rows to copy from {src.shape[0]} into {out.shape[0]}")
-    if src.dtype != out.dtype or src.shape[1:] != out.shape[1:] or out.stride(-1) != 1:
-        raise ValueError(f"out ({tuple(out.shape)} {out.dtype}, strides {out.stride()}) must "
-                         f"take src's rows ({tuple(src.shape)} {src.dtype}) with contiguous "
-                         "columns")
+    if src.dtype != out.dtype or src.shape[1:] != out.shape[1:]:
+        raise ValueError(f"out ({tuple(out.shape)} {out.dtype}) must take src's rows "
+                         f"({tuple(src.shape)} {src.dtype})")
+    return n
+
+
+def launch_copy_rows(src, index, out, out_index=None, *, num_programs=None):
+    """``out[out_index[i]] = src[index[i]]`` (``src[i]`` without ``index``, ``out[i]``
+    without ``out_index``; one of them given) for every entry; ``num_programs`` caps the
+    grid. ``src`` and ``out`` may be row-strided views; ``out``'s columns must be
+    contiguous."""
+    n = check_copy_rows(src, index, out, out_index)
+    if out.stride(-1) != 1:
+        raise ValueError(f"out's columns must be contiguous, got strides {out.stride()}")
     src = src if src.stride(-1) == 1 else src.contiguous()
     return _launch_pack(src, index, None, None, out, 0, None, None, None, num_rows=n,
                         out_index=None if out_index is None else out_index.contiguous(),

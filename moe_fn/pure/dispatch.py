@@ -269,9 +269,9 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
 
 
 def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
-    """``(rows[:split], rows[split:])``, the second copied into ``hi_out`` when given (at
-    its rows ``hi_index`` when that is given too): the layout the fused weighted-combine
-    backward writes directly."""
+    """``(rows[:split], rows[split:])``; given ``hi_out``, the second part is copied into it
+    (at its rows ``hi_index`` when that is given too) and ``hi_out`` is returned instead:
+    the layout the fused weighted-combine backward writes directly."""
     split = rows.shape[0] if split is None else split
     if hi_out is None:
         if hi_index is not None:
@@ -279,6 +279,9 @@ def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
         return rows[:split], rows[split:]
     if hi_index is None:
         return rows[:split], hi_out.copy_(rows[split:])
+    if hi_index.numel() != rows.shape[0] - split:
+        raise ValueError(f"hi_index needs one entry per row from {split} on "
+                         f"({rows.shape[0] - split}), got {hi_index.numel()}")
     return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 

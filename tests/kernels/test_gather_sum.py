@@ -388,20 +388,21 @@ def _copy_rows_oracle(src, index, out, out_index):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_index,with_out_index", [(True, True), (False, True),
                                                        (True, False)])
-@pytest.mark.parametrize("num_programs", [None, 1, 2])
-@pytest.mark.parametrize("n", [0, 7])
+@pytest.mark.parametrize("num_programs", [None, 1, 3])
+@pytest.mark.parametrize("n", [0, 7, 29])
 def test_copy_rows_kernel_and_wrapper_match_a_loop(dtype, with_index, with_out_index,
                                                    num_programs, n):
-    """Rows gathered and scattered in one pass; a capped grid still copies every row, and
-    rows no index names stay as they were."""
+    """Rows gathered and scattered in one pass; a capped grid (29 rows are 8 blocks of 4,
+    unevenly over 3 programs) still copies every row, and rows no index names stay as
+    they were."""
     from moe_fn.kernels import copy_rows
 
     g = torch.Generator().manual_seed(n)
-    wide = torch.randn(9, 41, generator=g).to(dtype)
+    wide = torch.randn(31, 41, generator=g).to(dtype)
     src = wide[:, :33]  # a row-strided view
-    index = torch.randperm(9, generator=g)[:n] if with_index else None
-    out_index = torch.randperm(12, generator=g)[:n] if with_out_index else None
-    out = torch.full((12, 33), 5.0, dtype=dtype)
+    index = torch.randperm(31, generator=g)[:n] if with_index else None
+    out_index = torch.randperm(40, generator=g)[:n] if with_out_index else None
+    out = torch.full((40, 33), 5.0, dtype=dtype)
     want = _copy_rows_oracle(src, index, out, out_index)
     dev = [None if t is None else t.to(DEV) for t in (index, out_index)]
     got = gs.launch_copy_rows(src.to(DEV), dev[0], out.to(DEV), dev[1],
@@ -410,18 +411,35 @@ def test_copy_rows_kernel_and_wrapper_match_a_loop(dtype, with_index, with_out_i
     assert torch.equal(copy_rows(src, index, out.clone(), out_index), want)  # CPU wrapper
 
 
-def test_copy_rows_rejects_what_does_not_match():
+def test_copy_rows_reads_a_column_strided_source():
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(6, 5, generator=g).t()  # (5, 6), columns strided
+    index, out_index = torch.tensor([4, 0, 2]), torch.tensor([1, 3, 0])
+    out = torch.zeros(4, 6)
+    want = _copy_rows_oracle(src, index, out, out_index)
+    got = gs.launch_copy_rows(src.to(DEV), index.to(DEV), out.to(DEV), out_index.to(DEV))
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("launcher", ["kernel", "wrapper"])
+def test_copy_rows_rejects_what_does_not_match(launcher):
     from moe_fn.kernels import copy_rows
 
+    fn = gs.launch_copy_rows if launcher == "kernel" else copy_rows
     src, out = torch.zeros(4, 8), torch.zeros(6, 8)
     with pytest.raises(ValueError, match="needs index, out_index or both"):
-        copy_rows(src, None, out)
+        fn(src, None, out)
     with pytest.raises(ValueError, match="3 source indices for 2 destination"):
-        gs.launch_copy_rows(src, torch.arange(3), out, torch.arange(2))
+        fn(src, torch.arange(3), out, torch.arange(2))
     with pytest.raises(ValueError, match="5 rows to copy from 4"):
-        gs.launch_copy_rows(src, None, out, torch.arange(5))
+        fn(src, None, out, torch.arange(5))
     with pytest.raises(ValueError, match="must take src's rows"):
-        gs.launch_copy_rows(src, torch.arange(2), torch.zeros(6, 8, dtype=torch.bfloat16))
+        fn(src, torch.arange(2), torch.zeros(6, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must take src's rows"):
+        fn(src, torch.arange(2), torch.zeros(6, 9))
+    if launcher == "kernel":
+        with pytest.raises(ValueError, match="columns must be contiguous"):
+            fn(src, torch.arange(2), torch.zeros(8, 6).t())
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -446,6 +464,8 @@ def test_weighted_bwd_scatters_the_tail_at_hi_index(fused):
     torch.testing.assert_close(lo.cpu(), full[:3])
     torch.testing.assert_close(hi.cpu(), want)
     torch.testing.assert_close(d_w.cpu(), full_w)
+    fn = gs.launch_weighted_gather_sum_bwd if fused else kernel_weighted_bwd
     with pytest.raises(ValueError, match="hi_index needs hi_out"):
-        (gs.launch_weighted_gather_sum_bwd if fused else kernel_weighted_bwd)(
-            d, rows, pos_to_row, w, 2, split=3, hi_index=hi_index)
+        fn(d, rows, pos_to_row, w, 2, split=3, hi_index=hi_index)
+    with pytest.raises(ValueError, match="one entry per row from 3 on"):
+        fn(d, rows, pos_to_row, w, 2, split=3, hi_out=hi_out, hi_index=hi_index[:4])

@@ -54,9 +54,11 @@ class SortedRowsExchange(Exchange):
         return self._layout_counts(plan)
 
     # ---- the two moves ---------------------------------------------------------------------
-    # Both take optional ``weights``, one value per moved row (routing weights, their
-    # gradients), which travel packed behind the rows in the same collective (``pack_rows``)
-    # and come back in the order the finished move's gather puts the rows in.
+    # Towards the experts (``_to_experts``, or ``_to_experts_unordered`` for fused gathers)
+    # and home (``_to_home``). The last two take optional ``weights``, one value per moved
+    # row (routing weights, their gradients), which travel packed behind the rows in the
+    # same collective (``pack_rows``) and come back in the order the finished move's gather
+    # puts the rows in.
     def _to_experts(self, token_rows, h: SortedRowsHandle):
         """Token rows ``(T, D)`` -> expert rows ``(N, D)``: own rows copied straight to their
         expert-major places while the remote rows are in flight, the remote rows to theirs

@@ -30,8 +30,14 @@ def _body(rank, world, tokens):
     def weighted_bwd(*a, **kw):
         calls.append("weighted_bwd" if kw.get("hi_index") is None else "weighted_bwd_scatter")
         return real_bwd(*a, **kw)
+    real_rw = gather_sum.launch_gather_row_weight_bwd
+
+    def row_weight_bwd(*a, **kw):
+        calls.append("row_weight_bwd" if kw.get("own") is None else "row_weight_bwd_own")
+        return real_rw(*a, **kw)
     gather_sum.launch_copy_rows = copy_rows
     gather_sum.launch_weighted_gather_sum_bwd = weighted_bwd
+    gather_sum.launch_gather_row_weight_bwd = row_weight_bwd
     kernels.use_triton = lambda t: t.dtype in KERNEL_DTYPES
     # Plain routing, fused weighting, top-k = E/ep, and the route steered off expert 0 and
     # off the last rank (which then keeps and receives no row).
@@ -50,9 +56,11 @@ def _body(rank, world, tokens):
                 assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter",
                                  "copy_rows"], calls
             elif combine_impl == "eager" and "row_weighting_impl" not in kw:
-                # The routing weights travel packed with the dispatch (its gather path); the
-                # combine's backward, a dispatch of the output gradient, places its rows.
-                assert calls == ["copy_rows", "copy_rows"], calls
+                # The dispatch (its rows packed with the routing weights) places own rows
+                # and arrivals; so does the combine's backward, a dispatch of the output
+                # gradient.
+                assert calls == ["copy_rows"] * 4, calls
+
 
 
 @pytest.mark.multiproc
@@ -61,3 +69,47 @@ def test_row_moves_through_kernels_match_one_float64_layer(world):
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
     run_distributed(_body, world, TOKENS[world])
+
+
+def _skip_body(rank, world):
+    """The recompute skip's backward (the combine's backward fused into the weighting's,
+    own rows' gradients read where they are) against the same layer run unchecked."""
+    import moe_fn
+    import moe_fn.kernels as kernels
+    from moe_fn import MoEConfig, MoELayer
+    from moe_fn.kernels import gather_sum
+
+    calls = []
+    real_rw = gather_sum.launch_gather_row_weight_bwd
+
+    def row_weight_bwd(*a, **kw):
+        calls.append("own" if kw.get("own") is not None else "plain")
+        return real_rw(*a, **kw)
+    gather_sum.launch_gather_row_weight_bwd = row_weight_bwd
+    kernels.use_triton = lambda t: t.dtype in KERNEL_DTYPES
+    grads = []
+    for skip in (True, False):
+        cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=3,
+                        row_weighting_impl="fused", comm_backend="all_to_all", ep_size=world,
+                        skip_recompute_combine=skip)
+        torch.manual_seed(3)  # the same weights on every rank and in both layers
+        layer = MoELayer(cfg)
+        g = torch.Generator().manual_seed(10 + rank)
+        x = torch.randn(7 + 2 * rank, 16, generator=g).requires_grad_()
+        dy = torch.randn(x.shape, generator=g)
+        if skip:
+            moe_fn.checkpoint(lambda h, lay=layer: h + lay(h), x).backward(dy)
+            assert layer.exchange.counters["combine_skipped"] == 1
+        else:
+            (x + layer(x)).backward(dy)
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    assert calls[0] == "own", calls
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_recompute_skip_backward_through_kernels_matches_the_unchecked_layer():
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    run_distributed(_skip_body, 2)

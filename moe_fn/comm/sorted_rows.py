@@ -54,39 +54,38 @@ class SortedRowsExchange(Exchange):
         return self._layout_counts(plan)
 
     # ---- the two moves ---------------------------------------------------------------------
-    # Towards the experts (``_to_experts``, or ``_to_experts_unordered`` for fused gathers)
-    # and home (``_to_home``). The last two take optional ``weights``, one value per moved
-    # row (routing weights, their gradients), which travel packed behind the rows in the
-    # same collective (``pack_rows``) and come back in the order the finished move's gather
-    # puts the rows in.
-    def _to_experts(self, token_rows, h: SortedRowsHandle):
-        """Token rows ``(T, D)`` -> expert rows ``(N, D)``: own rows copied straight to their
-        expert-major places while the remote rows are in flight, the remote rows to theirs
-        once arrived (no buffer of all rows gathered a second time)."""
+    # Towards the experts (``_to_experts``) and home (``_to_home``). Both take optional
+    # ``weights``, one value per moved row (routing weights, their gradients), which travel
+    # packed behind the rows in the same collective (``pack_rows``) and come back in the
+    # rows' order.
+    def _to_experts(self, token_rows, h: SortedRowsHandle, weights=None):
+        """Token rows ``(T, D)`` -> ``(expert rows (N, D), their weights (N,) or None)``,
+        given ``weights (T*k,)`` packed into the same collective: own rows copied straight
+        to their expert-major places while the remote rows are in flight, the remote rows
+        to theirs once arrived (no buffer of all rows gathered a second time)."""
         if h.self_dst is None:  # one rank: sorted order is expert order
-            return kernels.gather_rows(token_rows, h.self_tokens)
+            return (kernels.gather_rows(token_rows, h.self_tokens),
+                    None if weights is None else weights.index_select(0, h.flat.self_tokens))
         out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
-        buf, work = self._exchange(token_rows.index_select(0, h.remote_tokens), h.send_splits,
-                                   h.recv_splits, async_op=True)
+        if weights is None:
+            send = token_rows.index_select(0, h.remote_tokens)
+        else:
+            w = weights.reshape(-1, 1)
+            send = pack_rows(token_rows, h.remote_tokens, w, h.flat.remote_tokens,
+                             new_packed(token_rows, h.remote_tokens.numel(), w))
+        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
         kernels.copy_rows(token_rows, h.self_tokens, out, h.self_dst,
                           num_programs=_beside_collective(out))
+        if weights is not None:
+            w_out = weights.new_empty(h.num_rows).index_copy_(
+                0, h.self_dst, weights.index_select(0, h.flat.self_tokens))
         if work is not None:
             work.wait()
-        return kernels.copy_rows(buf, None, out, h.recv_dst)
-
-    def _to_experts_unordered(self, token_rows, h: SortedRowsHandle, *, async_op=False,
-                              weights=None):
-        """Token rows towards the experts as a buffer and an index, for callers that fuse
-        the last gather into their own kernel or send packed ``weights``: ``finish() ->
-        (src, index, row_weights)`` with expert row i at ``src[index[i]]`` and, given
-        ``weights (T*k,)``, its weight at ``row_weights[i]``."""
-        if h.self_dst is None:  # one rank: sorted order is expert order
-            w = None if weights is None else weights.index_select(0, h.flat.self_tokens)
-            return lambda: (token_rows, h.self_tokens, w)
-        # [received rows; own rows], then one gather into expert order.
-        return self._move(token_rows, (h.remote_tokens, h.self_tokens), h.send_splits,
-                          h.recv_splits, h.num_rows, h.expert_src, async_op, weights,
-                          (h.flat.remote_tokens, h.flat.self_tokens))
+        if weights is None:
+            return kernels.copy_rows(buf, None, out, h.recv_dst), None
+        rows_in, w_in = unpack_rows(buf, w)
+        kernels.copy_rows(rows_in, None, out, h.recv_dst)
+        return out, w_out.index_copy_(0, h.recv_dst, w_in.reshape(-1))
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None):
         """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order, weights)``
@@ -102,7 +101,7 @@ class SortedRowsExchange(Exchange):
 
     def _move(self, rows, index, send_splits, recv_splits, num_rows, order, async_op,
               weights=None, w_index=None):
-        """Either direction's move: ``rows[index[0]]`` go out, what arrives fills the front
+        """A move (home, now): ``rows[index[0]]`` go out, what arrives fills the front
         of a ``num_rows`` buffer and ``rows[index[1]]`` its tail (copied while the remote
         rows are in flight); ``finish() -> (buffer, order, weights[order] or None)``, the
         weights (at ``w_index``, like ``index``) packed into the same collective."""
@@ -143,12 +142,9 @@ class SortedRowsExchange(Exchange):
             check_cached_tokens(x, handle)
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
-        if weights is None:
-            return self._to_experts(x, handle), None, handle
-        # (T, k) weights are indexed by flattened (token, k) row.
-        src, index, row_weights = self._to_experts_unordered(
-            x, handle, async_op=True, weights=weights.reshape(-1))()
-        return kernels.gather_rows(src, index), row_weights, handle
+        rows, row_weights = self._to_experts(x, handle,
+                                             None if weights is None else weights.reshape(-1))
+        return rows, row_weights, handle
 
     def dispatch_bwd(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
                      async_op: bool = False):
@@ -175,7 +171,7 @@ class SortedRowsExchange(Exchange):
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
         self.counters["combine_backward"] += 1
-        return self._to_experts(d_out, handle)
+        return self._to_experts(d_out, handle)[0]
 
     def combine_bwd_weighted_rows(self, handle: SortedRowsHandle, d_out, rows, row_weights, *,
                                   fused: bool):
@@ -185,8 +181,16 @@ class SortedRowsExchange(Exchange):
             return super().combine_bwd_weighted_rows(handle, d_out, rows, row_weights,
                                                      fused=False)
         self.counters["combine_backward"] += 1
-        src, index, _ = self._to_experts_unordered(d_out, handle, async_op=True)()
-        return kernels.gather_row_weight_bwd(src, index, rows, row_weights)
+        h = handle
+        if h.self_dst is None:  # one rank: sorted order is expert order
+            return kernels.gather_row_weight_bwd(d_out, h.self_tokens, rows, row_weights)
+        buf, work = self._exchange(d_out.index_select(0, h.remote_tokens), h.send_splits,
+                                   h.recv_splits, async_op=True)
+        if work is not None:
+            work.wait()
+        # Own rows' gradients are read from d_out where they are: nothing is copied.
+        return kernels.gather_row_weight_bwd(buf, h.expert_src, rows, row_weights, own=d_out,
+                                             own_tokens=h.self_tokens)
 
     # ---- combine with the routing weights applied at home ----------------------------------
     def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle):

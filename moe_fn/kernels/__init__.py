@@ -298,14 +298,21 @@ def rows_receiver_side(c, num_rows: int, rank: int, recv_start: int, own_rows: i
     return launch_rows_receiver_side(c, num_rows, rank, recv_start, own_rows, tables)
 
 
-def gather_row_weight_bwd(src, index, rows, weights):
+def gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=None):
     """The row weighting's backward on gathered gradients, ``d = src[index[i]]``:
     ``(d_rows = w * d, d_w = <d, rows>)`` in one pass (see ``moe_fn.pure.row_weight``).
+    Given ``own`` and ``own_tokens``, entries from ``len(src)`` on read
+    ``own[own_tokens[j - len(src)]]``, as if those rows were gathered behind ``src``.
     Not an op: the exchanges that call it run eagerly."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_gather_row_weight_bwd
 
-        return launch_gather_row_weight_bwd(src, index, rows, weights)
+        return launch_gather_row_weight_bwd(src, index, rows, weights, own=own,
+                                            own_tokens=own_tokens)
+    if (own is None) != (own_tokens is None):
+        raise ValueError("own and own_tokens go together")
+    if own is not None:
+        src = torch.cat([src, own.index_select(0, own_tokens)])
     return _pure_row_weight.row_weight_bwd(RowWeightRes(rows, weights),
                                            src.index_select(0, index))
 

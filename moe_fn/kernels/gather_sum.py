@@ -179,22 +179,37 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
 
 
 @triton.jit
-def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, rows_ptr, w_ptr, out_ptr, dw_ptr, H,
-                                  s_s, s_r, s_o, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, own_ptr, own_tok_ptr, rows_ptr, w_ptr,
+                                  out_ptr, dw_ptr, H, split, s_s, s_own, s_r, s_o,
+                                  TWO_SRC: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  VEC: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     j = tl.load(index_ptr + i).to(tl.int64)
     w = tl.load(w_ptr + i).to(tl.float32)
-    dot = _scale_and_dot(src_ptr + j * (s_s * VEC), rows_ptr + i * (s_r * VEC),
-                         out_ptr + i * (s_o * VEC), w, H, BLOCK_C)
+    d_row = src_ptr + j * (s_s * VEC)
+    if TWO_SRC:  # entries from ``split`` on name rows of ``own`` through ``own_tok``
+        q = tl.load(own_tok_ptr + tl.maximum(j - split, 0), mask=j >= split,
+                    other=0).to(tl.int64)
+        d_row = tl.where(j < split, d_row, own_ptr + q * (s_own * VEC))
+    dot = _scale_and_dot(d_row, rows_ptr + i * (s_r * VEC), out_ptr + i * (s_o * VEC), w, H,
+                         BLOCK_C)
     tl.store(dw_ptr + i, dot.to(dw_ptr.dtype.element_ty))
 
 
-def launch_gather_row_weight_bwd(src, index, rows, weights):
+def launch_gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=None):
     """With ``d = src[index[i]]`` (the output gradient gathered to expert row i):
     ``d_rows[i] = w[i] * d`` and ``d_w[i] = <d, rows[i]>`` — the row weighting's backward
-    fused with the gather that brings the gradient to the rows. Returns ``(d_rows, d_w)``."""
+    fused with the gather that brings the gradient to the rows. Given ``own`` and
+    ``own_tokens``, an entry ``j >= len(src)`` reads ``own[own_tokens[j - len(src)]]``
+    instead (rows read where they are, never copied behind ``src``). Returns
+    ``(d_rows, d_w)``."""
     src = src if src.stride(-1) == 1 else src.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    two = own is not None
+    if two != (own_tokens is not None):
+        raise ValueError("own and own_tokens go together")
+    if two:
+        own = own if own.stride(-1) == 1 else own.contiguous()
     n, h = rows.shape
     out = rows.new_empty((n, h))
     d_w = torch.empty(n, dtype=weights.dtype, device=rows.device)
@@ -203,11 +218,12 @@ def launch_gather_row_weight_bwd(src, index, rows, weights):
     if h == 0:
         return out, d_w.zero_()
     block = min(_BLOCK_C, next_pow2(h))
-    strides = (src.stride(0), rows.stride(0), out.stride(0))
+    strides = (src.stride(0), (own if two else src).stride(0), rows.stride(0), out.stride(0))
     vec = _vec(rows, *strides)
-    launch(_gather_row_weight_bwd_kernel, (n,), src, index.contiguous(), rows,
-           weights.contiguous(), out, d_w, h, *(s // vec for s in strides), BLOCK_C=block,
-           VEC=vec, num_warps=4 if block >= 512 else 2)
+    launch(_gather_row_weight_bwd_kernel, (n,), src, index.contiguous(),
+           own if two else src, own_tokens.contiguous() if two else index, rows,
+           weights.contiguous(), out, d_w, h, src.shape[0], *(s // vec for s in strides),
+           TWO_SRC=two, BLOCK_C=block, VEC=vec, num_warps=4 if block >= 512 else 2)
     return out, d_w
 
 

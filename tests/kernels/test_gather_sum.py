@@ -204,6 +204,32 @@ def test_gather_row_weight_bwd_kernel_matches_pure(dtype, n, t, h):
     torch.testing.assert_close(wrapped[1], p_w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_src", [0, 3])
+def test_gather_row_weight_bwd_reads_own_rows_where_they_are(dtype, n_src):
+    """Entries from len(src) on read ``own[own_tokens[j - len(src)]]``: the same results as
+    with those rows gathered behind ``src``, on the kernel and the CPU wrapper."""
+    g = torch.Generator().manual_seed(n_src)
+    src = torch.randn(n_src, 24, generator=g).to(dtype)
+    own = torch.randn(6, 24, generator=g).to(dtype)
+    own_tokens = torch.tensor([5, 0, 2, 2])
+    index = torch.randint(0, n_src + 4, (9,), generator=g)
+    rows = torch.randn(9, 24, generator=g).to(dtype)
+    w = torch.rand(9, generator=g)
+    joined = torch.cat([src, own.index_select(0, own_tokens)])
+    want_rows, want_w = row_weight_bwd(RowWeightRes(rows, w), joined.index_select(0, index))
+    got = gs.launch_gather_row_weight_bwd(src.to(DEV), index.to(DEV), rows.to(DEV), w.to(DEV),
+                                          own=own.to(DEV), own_tokens=own_tokens.to(DEV))
+    torch.testing.assert_close(got[0].cpu(), want_rows)
+    torch.testing.assert_close(got[1].cpu(), want_w)
+    wrapped = kernel_gather_row_weight_bwd(src, index, rows, w, own=own, own_tokens=own_tokens)
+    torch.testing.assert_close(wrapped[0], want_rows)
+    torch.testing.assert_close(wrapped[1], want_w)
+    for fn in (gs.launch_gather_row_weight_bwd, kernel_gather_row_weight_bwd):
+        with pytest.raises(ValueError, match="own and own_tokens go together"):
+            fn(src, index, rows, w, own=own)
+
+
 # ----------------------------------------------------------------------------- masked
 
 

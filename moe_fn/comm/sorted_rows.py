@@ -101,7 +101,7 @@ class SortedRowsExchange(Exchange):
 
     def _move(self, rows, index, send_splits, recv_splits, num_rows, order, async_op,
               weights=None, w_index=None):
-        """A move (home, now): ``rows[index[0]]`` go out, what arrives fills the front
+        """The move home: ``rows[index[0]]`` go out, what arrives fills the front
         of a ``num_rows`` buffer and ``rows[index[1]]`` its tail (copied while the remote
         rows are in flight); ``finish() -> (buffer, order, weights[order] or None)``, the
         weights (at ``w_index``, like ``index``) packed into the same collective."""

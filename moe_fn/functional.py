@@ -23,7 +23,6 @@ from .pure.row_weight import check_row_weight_args
 __all__ = ["experts", "grouped_linear", "row_weight", "swiglu", "swiglu_packed"]
 
 
-
 def grouped_linear(x, weight, offs):
     """Per-expert linear: ``y[rows of e] = x[rows of e] @ weight[e]^T``.
 

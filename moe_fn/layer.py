@@ -462,8 +462,7 @@ class MoELayer(nn.Module):
         if (self.exchange.ep_size > 1
                 and self._ranks_agree_on != (x.dtype, x.device)):
             if x.is_cuda:
-                check_comm_num_sm(c.comm_num_sm,
-                                  torch.cuda.get_device_properties(x.device).multi_processor_count)
+                check_comm_num_sm(c.comm_num_sm, comm_base.sm_count(x.device))
             self._check_ranks_agree(x)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region)

@@ -17,6 +17,11 @@ COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_ski
                 "dispatch_backward", "combine_backward")
 
 
+def sm_count(device) -> int:
+    """The CUDA device's streaming multiprocessors."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class Pending:
     """A result whose communication may still be in flight: ``wait()`` finishes it once."""
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..kernels._registry import use_triton
 from ..pure.dispatch import peer_gather, peer_partial_sum, slot_sum
+from .base import sm_count
 
 _ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
 _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
@@ -223,10 +224,6 @@ def release_peer_memory() -> None:
     _SHARED.clear()
 
 
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slots=None):
     """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (given rows) and
     ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
@@ -241,12 +238,12 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slot
         if token_slots is not None and peers is not None:
             return peer.launch_pull_token_rows(
                 peers, view.values, view.rank, token_slots, src_idx.numel(), row_div,
-                num_programs=peer.PULL_TOKENS_PER_SM * _sm_count(ref.device),
+                num_programs=peer.PULL_TOKENS_PER_SM * sm_count(ref.device),
                 rows_offsets=view.rows_offsets, values_offsets=view.values_offsets,
                 byte_offsets=view.byte_offsets)
         return peer.launch_pull_rows(
             peers, view.values, view.rank, src_rank, src_idx, row_div=row_div,
-            num_programs=_sm_count(ref.device),
+            num_programs=sm_count(ref.device),
             rows_offsets=view.rows_offsets if peers is not None else None,
             values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)
     # The pure twin (also what float64 takes on CUDA).
@@ -263,7 +260,7 @@ def write_slot_sums(out, rows, token_slots, top_k: int, weights=None):
         from ..kernels import peer
 
         return peer.launch_slot_sum(rows, token_slots, top_k, out, weights,
-                                    num_programs=2 * _sm_count(rows.device))
+                                    num_programs=2 * sm_count(rows.device))
     part = slot_sum(rows, token_slots, top_k, weights)
     out[:part.shape[0]] = part
     return out
@@ -283,7 +280,7 @@ def pull_partials(view: PeerView, home_rank, values_pos, max_tokens: int, top_k:
         few = num_programs is not None
         return peer.launch_pull_partials(
             view.rows, view.values, view.rank, home_rank, values_pos, top_k, max_tokens,
-            out_dtype, num_programs=num_programs or 2 * _sm_count(ref.device),
+            out_dtype, num_programs=num_programs or 2 * sm_count(ref.device),
             tokens_per_program=peer.FEW_SMS_SUM_TOKENS if few else None,
             num_warps=peer.FEW_SMS_SUM_WARPS if few else None, rows_offsets=view.rows_offsets,
             values_offsets=view.values_offsets, byte_offsets=view.byte_offsets)

@@ -29,6 +29,7 @@ from .base import (
     check_cached_tokens,
     new_packed,
     pack_rows,
+    sm_count,
     unpack_rows,
 )
 
@@ -94,40 +95,31 @@ class SortedRowsExchange(Exchange):
         if h.self_dst is None:
             w = None if weights is None else weights.index_select(0, h.plan.inv_perm)
             return lambda: (expert_rows, h.plan.inv_perm, w)
-        # [remote rows as they return; own rows]: one later gather puts them in (t, k) order.
-        index = (h.recv_dst, h.self_dst)
-        return self._move(expert_rows, index, h.recv_splits, h.send_splits,
-                          h.home_order.numel(), h.home_order, async_op, weights, index)
-
-    def _move(self, rows, index, send_splits, recv_splits, num_rows, order, async_op,
-              weights=None, w_index=None):
-        """The move home: ``rows[index[0]]`` go out, what arrives fills the front
-        of a ``num_rows`` buffer and ``rows[index[1]]`` its tail (copied while the remote
-        rows are in flight); ``finish() -> (buffer, order, weights[order] or None)``, the
-        weights (at ``w_index``, like ``index``) packed into the same collective."""
-        n_in = sum(recv_splits)
+        # [remote rows as they return; own rows, copied while those are in flight]: one
+        # later gather puts them in (t, k) order.
+        n_in = sum(h.send_splits)
         if weights is None:
-            buf = rows.new_empty((num_rows, *rows.shape[1:]))
-            send = rows.index_select(0, index[0])
+            buf = expert_rows.new_empty((h.home_order.numel(), *expert_rows.shape[1:]))
+            send = expert_rows.index_select(0, h.recv_dst)
         else:
             w = weights.reshape(-1, 1)
-            buf = new_packed(rows, num_rows, w)
-            send = pack_rows(rows, index[0], w, w_index[0],
-                             new_packed(rows, index[0].numel(), w))
-        _, work = self._exchange(send, send_splits, recv_splits, async_op=async_op,
+            buf = new_packed(expert_rows, h.home_order.numel(), w)
+            send = pack_rows(expert_rows, h.recv_dst, w, h.recv_dst,
+                             new_packed(expert_rows, h.recv_dst.numel(), w))
+        _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
                                  out=buf[:n_in])
         if weights is None:
-            torch.index_select(rows, 0, index[1], out=buf[n_in:])
+            torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
         else:
-            pack_rows(rows, index[1], w, w_index[1], buf[n_in:])
+            pack_rows(expert_rows, h.self_dst, w, h.self_dst, buf[n_in:])
 
         def finish():
             if work is not None:
                 work.wait()
             if weights is None:
-                return buf, order, None
-            src, w_src = unpack_rows(buf, w, order)
-            return src, order, w_src.reshape(-1)
+                return buf, h.home_order, None
+            src, w_src = unpack_rows(buf, w, h.home_order)
+            return src, h.home_order, w_src.reshape(-1)
         return finish
 
     def _sum_home(self, src, order, plan) -> torch.Tensor:
@@ -240,9 +232,7 @@ def _beside_collective(t: torch.Tensor) -> int | None:
     collective's kernel finds free SMs when it starts (over every SM the dispatch took ~3%
     longer, over 16 programs the copy outlasted the transfer; bench/RESULTS.md). None (no
     cap) off CUDA."""
-    if not t.is_cuda:
-        return None
-    return torch.cuda.get_device_properties(t.device).multi_processor_count // 2
+    return sm_count(t.device) // 2 if t.is_cuda else None
 
 
 class LocalExchange(SortedRowsExchange):

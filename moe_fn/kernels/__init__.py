@@ -299,22 +299,15 @@ def rows_receiver_side(c, num_rows: int, rank: int, recv_start: int, own_rows: i
 
 
 def gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=None):
-    """The row weighting's backward on gathered gradients, ``d = src[index[i]]``:
-    ``(d_rows = w * d, d_w = <d, rows>)`` in one pass (see ``moe_fn.pure.row_weight``).
-    Given ``own`` and ``own_tokens``, entries from ``len(src)`` on read
-    ``own[own_tokens[j - len(src)]]``, as if those rows were gathered behind ``src``.
+    """``moe_fn.pure.row_weight.gather_row_weight_bwd`` in one pass on CUDA in eager mode.
     Not an op: the exchanges that call it run eagerly."""
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_gather_row_weight_bwd
 
         return launch_gather_row_weight_bwd(src, index, rows, weights, own=own,
                                             own_tokens=own_tokens)
-    if (own is None) != (own_tokens is None):
-        raise ValueError("own and own_tokens go together")
-    if own is not None:
-        src = torch.cat([src, own.index_select(0, own_tokens)])
-    return _pure_row_weight.row_weight_bwd(RowWeightRes(rows, weights),
-                                           src.index_select(0, index))
+    return _pure_row_weight.gather_row_weight_bwd(src, index, rows, weights, own=own,
+                                                  own_tokens=own_tokens)
 
 
 def gather_rows(src, index, *, out=None):
@@ -332,22 +325,15 @@ def gather_rows(src, index, *, out=None):
 
 
 def copy_rows(src, index, out, out_index=None, *, num_programs=None):
-    """``out[out_index[i]] = src[index[i]]`` in one pass (``src[i]`` when ``index`` is None,
-    ``out[i]`` when ``out_index`` is None; one of them must be given): rows gathered and
-    scattered at once, e.g. straight to their expert-major places. On CUDA ``num_programs``
-    caps the Triton grid, so that a copy queued beside a collective leaves the collective's
-    kernel SMs to start on. Returns ``out``. Not an op: the exchanges that call it run
+    """``moe_fn.pure.dispatch.copy_rows`` in one pass on CUDA in eager mode, where
+    ``num_programs`` caps the Triton grid, so that a copy queued beside a collective leaves
+    the collective's kernel SMs to start on. Not an op: the exchanges that call it run
     eagerly."""
-    from .gather_sum import check_copy_rows, launch_copy_rows
-
     if use_triton(out) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_copy_rows
+
         return launch_copy_rows(src, index, out, out_index, num_programs=num_programs)
-    n = check_copy_rows(src, index, out, out_index)
-    rows = src[:n] if index is None else src.index_select(0, index)
-    if out_index is None:
-        out[:n].copy_(rows)
-        return out
-    return out.index_copy_(0, out_index.long(), rows)
+    return _pure_dispatch.copy_rows(src, index, out, out_index)
 
 
 def pack_rows(rows, index, values, values_index, out, tail: int):

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pure.dispatch import check_copy_rows_args
+from ..pure.row_weight import check_gather_row_weight_args
 from ._launch import cdiv, launch, next_pow2
 
 _BLOCK_C = 1024
@@ -205,9 +207,8 @@ def launch_gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tok
     ``(d_rows, d_w)``."""
     src = src if src.stride(-1) == 1 else src.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    check_gather_row_weight_args(own, own_tokens)
     two = own is not None
-    if two != (own_tokens is not None):
-        raise ValueError("own and own_tokens go together")
     if two:
         own = own if own.stride(-1) == 1 else own.contiguous()
     n, h = rows.shape
@@ -294,27 +295,12 @@ def launch_gather_rows(src, index, out=None, *, rows_per_program=None, block_c=N
                         num_warps)
 
 
-def check_copy_rows(src, index, out, out_index) -> int:
-    """``copy_rows``' arguments checked (both paths); returns the number of rows to copy."""
-    if index is None and out_index is None:
-        raise ValueError("copy_rows needs index, out_index or both")
-    n = (out_index if out_index is not None else index).numel()
-    if index is not None and out_index is not None and index.numel() != n:
-        raise ValueError(f"{index.numel()} source indices for {n} destination indices")
-    if (index is None and src.shape[0] < n) or (out_index is None and out.shape[0] < n):
-        raise ValueError(f"{n} rows to copy from {src.shape[0]} into {out.shape[0]}")
-    if src.dtype != out.dtype or src.shape[1:] != out.shape[1:]:
-        raise ValueError(f"out ({tuple(out.shape)} {out.dtype}) must take src's rows "
-                         f"({tuple(src.shape)} {src.dtype})")
-    return n
-
-
 def launch_copy_rows(src, index, out, out_index=None, *, num_programs=None):
     """``out[out_index[i]] = src[index[i]]`` (``src[i]`` without ``index``, ``out[i]``
     without ``out_index``; one of them given) for every entry; ``num_programs`` caps the
     grid. ``src`` and ``out`` may be row-strided views; ``out``'s columns must be
     contiguous."""
-    n = check_copy_rows(src, index, out, out_index)
+    n = check_copy_rows_args(src, index, out, out_index)
     if out.stride(-1) != 1:
         raise ValueError(f"out's columns must be contiguous, got strides {out.stride()}")
     src = src if src.stride(-1) == 1 else src.contiguous()

@@ -285,6 +285,33 @@ def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
     return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 
+def check_copy_rows_args(src, index, out, out_index) -> int:
+    """``copy_rows``' arguments checked; returns the number of rows to copy."""
+    if index is None and out_index is None:
+        raise ValueError("copy_rows needs index, out_index or both")
+    n = (out_index if out_index is not None else index).numel()
+    if index is not None and out_index is not None and index.numel() != n:
+        raise ValueError(f"{index.numel()} source indices for {n} destination indices")
+    if (index is None and src.shape[0] < n) or (out_index is None and out.shape[0] < n):
+        raise ValueError(f"{n} rows to copy from {src.shape[0]} into {out.shape[0]}")
+    if src.dtype != out.dtype or src.shape[1:] != out.shape[1:]:
+        raise ValueError(f"out ({tuple(out.shape)} {out.dtype}) must take src's rows "
+                         f"({tuple(src.shape)} {src.dtype})")
+    return n
+
+
+def copy_rows(src, index, out, out_index=None):
+    """``out[out_index[i]] = src[index[i]]`` (``src[i]`` when ``index`` is None, ``out[i]``
+    when ``out_index`` is None; one of them given): rows gathered and scattered at once,
+    e.g. straight to their expert-major places. Writes into ``out`` and returns it."""
+    n = check_copy_rows_args(src, index, out, out_index)
+    rows = src[:n] if index is None else src.index_select(0, index)
+    if out_index is None:
+        out[:n].copy_(rows)
+        return out
+    return out.index_copy_(0, out_index.long(), rows)
+
+
 # Row at position p holds flattened row r = pos_to_row[p] of token r // k:
 #   d_rows[p] = w[r] * d_out[r // k];  d_w[r] = <d_out[r // k], rows[p]>.
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int):

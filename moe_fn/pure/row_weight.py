@@ -38,3 +38,19 @@ def row_weight_bwd(res: RowWeightRes, d_out, *, needs=(True, True)):
     d_rows = (d_out * res.weights.to(cd)[:, None]).to(res.rows.dtype) if needs[0] else None
     d_w = (d_out * res.rows.to(cd)).sum(dim=-1).to(res.weights.dtype) if needs[1] else None
     return d_rows, d_w
+
+
+def check_gather_row_weight_args(own, own_tokens) -> None:
+    if (own is None) != (own_tokens is None):
+        raise ValueError("own and own_tokens go together")
+
+
+def gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=None):
+    """The row weighting's backward on gathered gradients, ``d = src[index[i]]``:
+    ``(d_rows = w * d, d_w = <d, rows>)``. Given ``own`` and ``own_tokens``, entries from
+    ``len(src)`` on read ``own[own_tokens[j - len(src)]]``, as if those rows were gathered
+    behind ``src``."""
+    check_gather_row_weight_args(own, own_tokens)
+    if own is not None:
+        src = torch.cat([src, own.index_select(0, own_tokens)])
+    return row_weight_bwd(RowWeightRes(rows, weights), src.index_select(0, index))

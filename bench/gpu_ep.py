@@ -206,11 +206,20 @@ def layer_bench(have_deepep, results, tokens, reps):
             def cached():
                 ex.dispatch_fwd(x, sent_w, handle, cached=True)
 
-            def combine():  # as the layer's forward combines, weights where it puts them
+            def combine(needs_grad=True):  # as the layer's forward combines, weights where
+                # it puts them, keeping what a backward needs unless told it will not run
                 Combine.apply(rows, ex, handle, w if home_w else None,
-                              row_w if fold_w else None)
+                              row_w if fold_w else None, needs_grad)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
+            no_grad = {}
+            if home_w:
+                # Without a backward to come (a reentrant checkpoint's first forward) the
+                # home-weighted combine reads the own rows in place: both, interleaved.
+                kept, in_place = interleaved_times(
+                    [(None, combine), (None, lambda: combine(False))], reps)
+                no_grad = {"combine_keeping_rows_ms": statistics.median(kept),
+                           "combine_no_grad_ms": statistics.median(in_place)}
         # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
         # not kept locally.
         if backend.startswith("all_to_all_symm"):  # the route's rows for other ranks' experts
@@ -226,7 +235,7 @@ def layer_bench(have_deepep, results, tokens, reps):
         row = {"fresh_dispatch_ms": t_fresh, "cached_dispatch_ms": t_cached,
                "combine_ms": t_comb, "cached_speedup": t_fresh / t_cached,
                "rows_per_rank": rows.shape[0], "dispatch_gbs": payload / t_cached / 1e6,
-               "combine_gbs": payload / t_comb / 1e6}
+               "combine_gbs": payload / t_comb / 1e6, **no_grad}
         if backend.startswith("all_to_all"):
             # Raw all_to_all_single of the (token, expert) rows this route moves between
             # ranks (what crosses NVLink row by row), and of every row including each
@@ -249,6 +258,8 @@ def layer_bench(have_deepep, results, tokens, reps):
                 row[f"{name}_all_to_all_ms"] = t_raw
                 row[f"dispatch_vs_{name}"] = t_raw / t_cached
                 row[f"combine_vs_{name}"] = t_raw / t_comb
+                for key in no_grad:
+                    row[f"{key[:-3]}_vs_{name}"] = t_raw / no_grad[key]
         results["exchange"][backend] = row
         say(f"exchange {backend}: {row}")
 

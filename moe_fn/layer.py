@@ -396,8 +396,11 @@ class MoELayer(nn.Module):
                                        self.exchange, handle, c.row_weighting_impl == "fused")
             region.skipped += 1
         else:
+            # Without a backward to come (no grad mode: a reentrant checkpoint's first
+            # forward, inference) the home-weighted combine keeps nothing.
+            needs_grad = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
             out = Combine.apply(y, self.exchange, handle, w if home_w else None,
-                                row_w if fold_w else None)
+                                row_w if fold_w else None, needs_grad)
         return out, logits
 
     def _forward_kept(self, x2, region):

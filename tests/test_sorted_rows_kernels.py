@@ -35,6 +35,12 @@ def _body(rank, world, tokens):
     def row_weight_bwd(*a, **kw):
         calls.append("row_weight_bwd" if kw.get("own") is None else "row_weight_bwd_own")
         return real_rw(*a, **kw)
+    real_sum = gather_sum.launch_gather_sum
+
+    def gather_sum_(*a, **kw):
+        calls.append("sum" if kw.get("own") is None else "sum_own")
+        return real_sum(*a, **kw)
+    gather_sum.launch_gather_sum = gather_sum_
     gather_sum.launch_copy_rows = copy_rows
     gather_sum.launch_weighted_gather_sum_bwd = weighted_bwd
     gather_sum.launch_gather_row_weight_bwd = row_weight_bwd
@@ -50,16 +56,26 @@ def _body(rank, world, tokens):
             calls.clear()
             _ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
                      dtype=torch.float32)
+            # (_ep_case ends with a forward without grad mode.)
             if combine_impl == "fused" and kw.get("score_apply", "post") == "post":
-                # The dispatch places own rows and arrivals; the weighted combine's backward
-                # writes the own rows' gradients in place and places the arrivals.
+                # The dispatch places own rows and arrivals; the weighted combine, whose
+                # backward needs the rows, buffers them (its sum is the op, not counted
+                # here); that backward writes the own rows' gradients in place and places
+                # the arrivals; the dispatch's backward sums own row gradients where they
+                # are. Without grad mode the combine reads the own rows in place too.
                 assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter",
-                                 "copy_rows"], calls
-            elif combine_impl == "eager" and "row_weighting_impl" not in kw:
+                                 "copy_rows", "sum_own",
+                                 "copy_rows", "copy_rows", "sum_own"], calls
+            elif combine_impl == "fused":
+                # The unweighted combine's backward needs no rows: in place either way.
+                assert calls == ["copy_rows", "copy_rows", "sum_own", "copy_rows",
+                                 "copy_rows", "sum_own",
+                                 "copy_rows", "copy_rows", "sum_own"], calls
+            elif "row_weighting_impl" not in kw:
                 # The dispatch (its rows packed with the routing weights) places own rows
                 # and arrivals; so does the combine's backward, a dispatch of the output
-                # gradient.
-                assert calls == ["copy_rows"] * 4, calls
+                # gradient. The eager sums are torch ops.
+                assert calls == ["copy_rows"] * 6, calls
 
 
 

@@ -106,15 +106,18 @@ class Combine(torch.autograd.Function):
     With ``weights (T, k)`` (exchanges with ``home_weighting``) the sum is weighted at
     home; with ``row_weights (N,)`` (exchanges that ``folds_row_weights``) each row is
     weighted inside the expert side's per-token sum. Either way the backward also returns
-    the weights' gradient."""
+    the weights' gradient. ``needs_grad`` False (the caller knows no backward will run: no
+    grad mode, as in a reentrant checkpoint's first forward) lets the home-weighted sum keep
+    nothing for it."""
 
     @staticmethod
-    def forward(ctx, rows, exchange, handle, weights=None, row_weights=None):
+    def forward(ctx, rows, exchange, handle, weights=None, row_weights=None, needs_grad=True):
         ctx.exchange, ctx.handle = exchange, handle
         ctx.mode = "home" if weights is not None else "rows" if row_weights is not None else ""
         if ctx.mode == "home":
-            out, src = exchange.combine_weighted_fwd(rows, weights, handle)
-            ctx.save_for_backward(src, weights)
+            out, src = exchange.combine_weighted_fwd(rows, weights, handle, keep=needs_grad)
+            if needs_grad:
+                ctx.save_for_backward(src, weights)
             return out
         if ctx.mode == "rows":
             ctx.save_for_backward(rows, row_weights)
@@ -128,13 +131,13 @@ class Combine(torch.autograd.Function):
         if ctx.mode == "home":
             src, weights = ctx.saved_tensors
             d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
-            return d_rows, None, None, d_w, None
+            return d_rows, None, None, d_w, None, None
         if ctx.mode == "rows":
             rows, row_weights = ctx.saved_tensors
             d_rows, d_rw = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows,
                                                                   row_weights, fused=True)
-            return d_rows, None, None, None, d_rw
-        return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None
+            return d_rows, None, None, None, d_rw, None
+        return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None, None
 
 
 class SkippedCombine(torch.autograd.Function):

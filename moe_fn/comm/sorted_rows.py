@@ -7,10 +7,14 @@ remote rows are in flight. Towards the experts every row is copied straight to i
 expert-major position (``local_offs``), the own ones on part of the GPU so that the
 collective's kernel starts at once, the arriving ones when they arrive: one pass over each
 row besides the sender's gather. Combine runs the moves backwards and sums each token's k
-rows.
+rows; where nothing keeps the returned rows for a backward (the fused sums of the
+unweighted combine and of the dispatch's backward, and the weighted combine without grad
+mode), the sum reads the own rows where the experts left them instead of a copy.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +36,18 @@ from .base import (
     sm_count,
     unpack_rows,
 )
+
+
+class HomeRows(NamedTuple):
+    """Rows back at their home rank: ``rows[order]`` in (token, k) order, where positions
+    from ``len(rows)`` on, given ``own``, are ``own[own_index[p - len(rows)]]`` (the rank's
+    own rows read where the experts left them); ``weights (T*k,)`` in (token, k) order."""
+
+    rows: torch.Tensor
+    order: torch.Tensor
+    weights: torch.Tensor | None
+    own: torch.Tensor | None = None
+    own_index: torch.Tensor | None = None
 
 
 class SortedRowsExchange(Exchange):
@@ -88,45 +104,61 @@ class SortedRowsExchange(Exchange):
         kernels.copy_rows(rows_in, None, out, h.recv_dst)
         return out, w_out.index_copy_(0, h.recv_dst, w_in.reshape(-1))
 
-    def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None):
-        """Expert rows ``(N, D)`` back home; returns ``finish() -> (src, order, weights)``
-        where ``src[order]`` are the home rank's rows in (token, k) order, ``(T*k, D)``, and
-        ``weights`` (given ``weights (N,)``) theirs in that order."""
+    def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None,
+                 own_in_place=False):
+        """Expert rows ``(N, D)`` back home; returns ``finish() -> HomeRows``, the home
+        rank's rows in (token, k) order and (given ``weights (N,)``) their weights. With
+        ``own_in_place`` (and more than one rank) the own rows are not copied: the sum
+        reads them where they are (``kernels.gather_sum_own``)."""
         if h.self_dst is None:
             w = None if weights is None else weights.index_select(0, h.plan.inv_perm)
-            return lambda: (expert_rows, h.plan.inv_perm, w)
-        # [remote rows as they return; own rows, copied while those are in flight]: one
-        # later gather puts them in (t, k) order.
+            return lambda: HomeRows(expert_rows, h.plan.inv_perm, w)
+        # [remote rows as they return; own rows, copied while those are in flight, or read
+        # in place]: one later gather puts them in (t, k) order.
         n_in = sum(h.send_splits)
+        n_buf = n_in if own_in_place else h.home_order.numel()
         if weights is None:
-            buf = expert_rows.new_empty((h.home_order.numel(), *expert_rows.shape[1:]))
+            buf = expert_rows.new_empty((n_buf, *expert_rows.shape[1:]))
             send = expert_rows.index_select(0, h.recv_dst)
         else:
             w = weights.reshape(-1, 1)
-            buf = new_packed(expert_rows, h.home_order.numel(), w)
+            buf = new_packed(expert_rows, n_buf, w)
             send = pack_rows(expert_rows, h.recv_dst, w, h.recv_dst,
                              new_packed(expert_rows, h.recv_dst.numel(), w))
         _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
                                  out=buf[:n_in])
-        if weights is None:
+        own = (expert_rows, h.self_dst) if own_in_place else ()
+        if not own_in_place and weights is None:
             torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
-        else:
+        elif not own_in_place:
             pack_rows(expert_rows, h.self_dst, w, h.self_dst, buf[n_in:])
 
         def finish():
             if work is not None:
                 work.wait()
             if weights is None:
-                return buf, h.home_order, None
+                return HomeRows(buf, h.home_order, None, *own)
+            if own_in_place:
+                src, w_in = unpack_rows(buf, w)
+                w_home = torch.cat([w_in.reshape(-1), weights.index_select(0, h.self_dst)])
+                return HomeRows(src, h.home_order, w_home.index_select(0, h.home_order), *own)
             src, w_src = unpack_rows(buf, w, h.home_order)
-            return src, h.home_order, w_src.reshape(-1)
+            return HomeRows(src, h.home_order, w_src.reshape(-1))
         return finish
 
-    def _sum_home(self, src, order, plan) -> torch.Tensor:
-        """Each token's k rows ``src[order]`` summed (float32 accumulation), with no atomics:
-        the fused gather-sum kernel, or its pure twin (a gather and a reduction)."""
-        impl = kernels.gather_sum_fwd if self.fused_combine else gather_sum_fwd
-        return impl(src, order, plan.top_k)[0]
+    def _sum_home(self, home: HomeRows, plan, weights=None) -> torch.Tensor:
+        """Each token's k rows summed, weighted by ``weights (T*k,)`` when given (float32
+        accumulation), with no atomics: the fused gather-sum kernel, or its pure twin (a
+        gather and a reduction)."""
+        k = plan.top_k
+        if home.own is not None:
+            return kernels.gather_sum_own(home.rows, home.order, k, weights, own=home.own,
+                                          own_index=home.own_index)
+        if weights is None:
+            impl = kernels.gather_sum_fwd if self.fused_combine else gather_sum_fwd
+            return impl(home.rows, home.order, k)[0]
+        impl = kernels.weighted_gather_sum_fwd if self.fused_combine else weighted_gather_sum_fwd
+        return impl(home.rows, home.order, weights, k)[0]
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
     def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
@@ -143,13 +175,16 @@ class SortedRowsExchange(Exchange):
         """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
-        finish_home = self._to_home(d_rows, handle, async_op=async_op, weights=d_row_weights)
+        # The row gradients are not kept: the sum may read the own ones in place.
+        finish_home = self._to_home(d_rows, handle, async_op=async_op, weights=d_row_weights,
+                                    own_in_place=self.fused_combine)
 
         def finish():
-            src, order, d_w = finish_home()
+            home = finish_home()
+            d_w = home.weights
             if d_w is not None:
                 d_w = d_w.reshape(plan.num_tokens, plan.top_k)
-            return self._sum_home(src, order, plan), d_w
+            return self._sum_home(home, plan), d_w
 
         pending = Pending(finish)
         return pending if async_op else pending.wait()
@@ -157,8 +192,9 @@ class SortedRowsExchange(Exchange):
     # ---- combine: expert rows -> token rows, summed over k ---------------------------------
     def combine_fwd(self, rows, handle: SortedRowsHandle):
         self.counters["combine"] += 1
-        src, order, _ = self._to_home(rows, handle, async_op=True)()
-        return self._sum_home(src, order, handle.plan), handle
+        # Its backward needs no rows (a cached dispatch): the sum reads own rows in place.
+        home = self._to_home(rows, handle, async_op=True, own_in_place=self.fused_combine)()
+        return self._sum_home(home, handle.plan), handle
 
     # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
     def combine_bwd(self, handle: SortedRowsHandle, d_out):
@@ -185,13 +221,18 @@ class SortedRowsExchange(Exchange):
                                              own_tokens=h.self_tokens)
 
     # ---- combine with the routing weights applied at home ----------------------------------
-    def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle):
+    def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle, *,
+                             keep: bool = True):
         """``out[t] = sum_j w[t, j] * row(t, j)``; returns ``(out, src)``, ``src`` being the
-        returned rows in home-buffer order (the backward's ``d_weights`` needs them)."""
+        returned rows in home-buffer order (the backward's ``d_weights`` needs them). With
+        ``keep=False`` (no backward will run) ``src`` is None and the fused sum reads the
+        own rows in place: buffering them costs a copy, reading them in place would make a
+        backward keep all of ``rows``."""
         self.counters["combine"] += 1
-        src, order, _ = self._to_home(rows, handle, async_op=True)()
-        impl = kernels.weighted_gather_sum_fwd if self.fused_combine else weighted_gather_sum_fwd
-        return impl(src, order, weights.reshape(-1), handle.plan.top_k)[0], src
+        home = self._to_home(rows, handle, async_op=True,
+                             own_in_place=self.fused_combine and not keep)()
+        out = self._sum_home(home, handle.plan, weights.reshape(-1))
+        return out, (home.rows if keep else None)
 
     def combine_weighted_bwd(self, handle: SortedRowsHandle, d_out, weights, src):
         """``(d_rows (N, H) in expert order, d_weights (T, k))``: each returning row's

@@ -43,6 +43,7 @@ from .router import groups_supported, launch_router_fwd, launch_router_linear_fw
 __all__ = [
     "gather_row_weight_bwd",
     "gather_sum_fwd",
+    "gather_sum_own",
     "masked_gather_sum",
     "pack_rows",
     "copy_rows",
@@ -213,6 +214,19 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     """``out[t] = sum_j weights[t*k + j] * rows[index[t*k + j]]`` in one pass."""
     out = _op("weighted_gather_sum")(rows, index, weights, int(top_k))
     return out, _pure_dispatch.WeightedGatherSumRes(rows, index, weights, int(top_k))
+
+
+def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
+    """``moe_fn.pure.dispatch.gather_sum_own`` (the combine's sum reading the rank's own
+    rows where they are) in one pass on CUDA in eager mode. Not an op: the exchanges that
+    call it run eagerly."""
+    if use_triton(rows) and not torch.compiler.is_compiling():
+        from .gather_sum import launch_gather_sum
+
+        return launch_gather_sum(rows, index, int(top_k), weights, own=own,
+                                 own_index=own_index)
+    return _pure_dispatch.gather_sum_own(rows, index, int(top_k), weights, own=own,
+                                         own_index=own_index)
 
 
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pure.dispatch import check_copy_rows_args
+from ..pure.dispatch import check_copy_rows_args, check_gather_sum_own_args
 from ..pure.row_weight import check_gather_row_weight_args
 from ._launch import cdiv, launch, next_pow2
 
@@ -30,9 +30,10 @@ def _vec(t: torch.Tensor, *strides: int) -> int:
 
 
 @triton.jit
-def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
-                       K: tl.constexpr, HAS_W: tl.constexpr, MASKED: tl.constexpr,
-                       W_BY_ROW: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr, H, split,
+                       s_r, s_own, s_o, K: tl.constexpr, HAS_W: tl.constexpr,
+                       MASKED: tl.constexpr, W_BY_ROW: tl.constexpr, TWO_SRC: tl.constexpr,
+                       BLOCK_C: tl.constexpr, VEC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
@@ -44,7 +45,12 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, out_ptr, H, s_r, s_o,
             # An absent entry masks its whole row: its column bound drops to 0.
             mj = cols < tl.where(r >= 0, H, 0)
             r = tl.maximum(r, 0)
-        v = tl.load(rows_ptr + r * (s_r * VEC) + cols, mask=mj, other=0.0).to(tl.float32)
+        src = rows_ptr + r * (s_r * VEC)
+        if TWO_SRC:  # entries from ``split`` on name rows of ``own`` through ``own_idx``
+            q = tl.load(own_idx_ptr + tl.maximum(r - split, 0), mask=r >= split,
+                        other=0).to(tl.int64)
+            src = tl.where(r < split, src, own_ptr + q * (s_own * VEC))
+        v = tl.load(src + cols, mask=mj, other=0.0).to(tl.float32)
         if HAS_W:
             if W_BY_ROW:  # a weight per gathered row
                 w = tl.load(w_ptr + r).to(tl.float32)
@@ -67,9 +73,19 @@ def _output(out, t: int, h: int, rows: torch.Tensor) -> torch.Tensor:
 
 def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
                       weights: torch.Tensor | None = None, *,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, own: torch.Tensor | None = None,
+                      own_index: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``). ``rows``
-    and ``out`` may be row-strided views (columns contiguous), e.g. slices of wider rows."""
+    and ``out`` may be row-strided views (columns contiguous), e.g. slices of wider rows.
+    Given ``own`` and ``own_index``, entries ``j >= len(rows)`` read
+    ``own[own_index[j - len(rows)]]`` (``moe_fn.pure.dispatch.gather_sum_own``)."""
+    if (own is None) != (own_index is None):
+        raise ValueError("own and own_index go together")
+    if own is not None:
+        check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
+        own = own if own.stride(-1) == 1 else own.contiguous()
+        if own_index.numel() == 0:
+            own = None
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     t = index.numel() // top_k
     h = rows.shape[1]
@@ -79,10 +95,16 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     block = min(_BLOCK_C, next_pow2(h))
     grid = (t, cdiv(h, block))
     w = index if weights is None else weights.contiguous()
-    vec = _vec(rows, rows.stride(0), out.stride(0))
-    launch(_gather_sum_kernel, grid, rows, index.contiguous(), w, out, h,
-           rows.stride(0) // vec, out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
-           MASKED=False, W_BY_ROW=False, BLOCK_C=block, VEC=vec,
+    two = own is not None
+    split = rows.shape[0]
+    if two and split == 0:  # nothing arrived: a dummy pointer, never read below split 0
+        rows = own
+    second = own if two else rows
+    vec = _vec(rows, rows.stride(0), second.stride(0), out.stride(0))
+    launch(_gather_sum_kernel, grid, rows, index.contiguous(), w, second,
+           own_index.contiguous() if two else index, out, h, split, rows.stride(0) // vec,
+           second.stride(0) // vec, out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
+           MASKED=False, W_BY_ROW=False, TWO_SRC=two, BLOCK_C=block, VEC=vec,
            num_warps=4 if block >= 512 else 2)
     return out
 
@@ -102,10 +124,12 @@ def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
     block = min(_BLOCK_C, next_pow2(h))
     w = table if weights is None else weights.contiguous()
     vec = _vec(rows, rows.stride(0), out.stride(0))
+    table = table.contiguous()
     launch(_gather_sum_kernel, (r, cdiv(h, block)),
-           rows, table.contiguous(), w, out, h, rows.stride(0) // vec, out.stride(0) // vec,
-           K=k, HAS_W=weights is not None, MASKED=True, W_BY_ROW=True, BLOCK_C=block,
-           VEC=vec, num_warps=4 if block >= 512 else 2)
+           rows, table, w, rows, table, out, h, 0, rows.stride(0) // vec,
+           rows.stride(0) // vec, out.stride(0) // vec, K=k, HAS_W=weights is not None,
+           MASKED=True, W_BY_ROW=True, TWO_SRC=False, BLOCK_C=block, VEC=vec,
+           num_warps=4 if block >= 512 else 2)
     return out
 
 

@@ -268,6 +268,33 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     return out, WeightedGatherSumRes(rows, index, weights, top_k)
 
 
+def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index) -> None:
+    _check_top_k(top_k)
+    if index.dim() != 1 or index.numel() % top_k:
+        raise ValueError(f"index must be 1-D with a multiple of top_k={top_k} entries, got "
+                         f"shape {tuple(index.shape)}")
+    if weights is not None and weights.shape != index.shape:
+        raise ValueError(f"weights must have one entry per index entry "
+                         f"({tuple(index.shape)}), got {tuple(weights.shape)}")
+    if own.dtype != rows.dtype or own.shape[1:] != rows.shape[1:]:
+        raise ValueError(f"own rows ({tuple(own.shape)} {own.dtype}) must match rows "
+                         f"({tuple(rows.shape)} {rows.dtype})")
+    if own_index.dim() != 1:
+        raise ValueError(f"own_index must be 1-D, got shape {tuple(own_index.shape)}")
+
+
+def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
+    """``gather_sum_fwd`` (``weighted_gather_sum_fwd`` given ``weights``) over ``rows`` with
+    ``own[own_index]`` behind them: an entry ``j >= len(rows)`` reads
+    ``own[own_index[j - len(rows)]]``. The combine's sum over the rows that arrived and the
+    rank's own rows where the experts left them, none copied behind the others."""
+    check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
+    every = torch.cat([rows, own.index_select(0, own_index)])
+    if weights is None:
+        return gather_sum_fwd(every, index, top_k)[0]
+    return weighted_gather_sum_fwd(every, index, weights, top_k)[0]
+
+
 def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
     """``(rows[:split], rows[split:])``; given ``hi_out``, the second part is copied into it
     (at its rows ``hi_index`` when that is given too) and ``hi_out`` is returned instead:

@@ -9,6 +9,7 @@ import torch
 from moe_fn.kernels import gather_row_weight_bwd as kernel_gather_row_weight_bwd
 from moe_fn.kernels import gather_sum as gs
 from moe_fn.kernels import gather_sum_fwd as kernel_gather_sum
+from moe_fn.kernels import gather_sum_own as kernel_gather_sum_own
 from moe_fn.kernels import masked_gather_sum as kernel_masked_gather_sum
 from moe_fn.kernels import weighted_gather_sum_bwd as kernel_weighted_bwd
 from moe_fn.kernels import weighted_gather_sum_fwd as kernel_weighted_fwd
@@ -228,6 +229,50 @@ def test_gather_row_weight_bwd_reads_own_rows_where_they_are(dtype, n_src):
     for fn in (gs.launch_gather_row_weight_bwd, kernel_gather_row_weight_bwd):
         with pytest.raises(ValueError, match="own and own_tokens go together"):
             fn(src, index, rows, w, own=own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("n_src,n_own", [(5, 4), (0, 6), (6, 0)])
+def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own):
+    """Entries from len(rows) on read ``own[own_index[j - len(rows)]]``: against a float64
+    loop, on the kernel (row-strided arrivals, as unpacked from a packed buffer) and the CPU
+    wrapper (the pure twin)."""
+    k = 2
+    g = torch.Generator().manual_seed(3 * n_src + n_own)
+    wide = torch.randn(n_src, 40, generator=g).to(dtype)
+    rows = wide[:, :24]  # row stride 40: the row part of packed rows
+    own = torch.randn(9, 24, generator=g).to(dtype)
+    own_index = torch.randperm(9, generator=g)[:n_own]
+    index = torch.randperm(n_src + n_own, generator=g)
+    index = index[:index.numel() // k * k]
+    w = torch.rand(index.numel(), generator=g) if weighted else None
+    want = torch.zeros(index.numel() // k, 24, dtype=torch.float64)
+    for e, j in enumerate(index.tolist()):
+        row = rows[j] if j < n_src else own[own_index[j - n_src]]
+        want[e // k] += row.double() * (1.0 if w is None else float(w[e]))
+    dev = [t if t is None else t.to(DEV) for t in (rows, index, w, own, own_index)]
+    got = gs.launch_gather_sum(*dev[:2], k, dev[2], own=dev[3], own_index=dev[4])
+    pure = kernel_gather_sum_own(rows, index, k, w, own=own, own_index=own_index)
+    assert_close_to_ref(got.cpu(), pure, want)
+    tol = {} if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(pure.double(), want, **tol)
+
+
+def test_gather_sum_own_rejects_what_does_not_match():
+    rows, own = torch.randn(4, 8), torch.randn(5, 8)
+    index, own_index = torch.arange(6), torch.tensor([0, 3])
+    for fn in (gs.launch_gather_sum, kernel_gather_sum_own):
+        with pytest.raises(ValueError, match="own rows"):
+            fn(rows, index, 2, own=own.double(), own_index=own_index)
+        with pytest.raises(ValueError, match="own rows"):
+            fn(rows, index, 2, own=own[:, :4], own_index=own_index)
+        with pytest.raises(ValueError, match="weights must have one entry"):
+            fn(rows, index, 2, torch.rand(5), own=own, own_index=own_index)
+        with pytest.raises(ValueError, match="multiple of top_k"):
+            fn(rows, index, 4, own=own, own_index=own_index)
+    with pytest.raises(ValueError, match="own and own_index go together"):
+        gs.launch_gather_sum(rows, index, 2, own=own)
 
 
 # ----------------------------------------------------------------------------- masked

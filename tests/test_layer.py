@@ -335,6 +335,44 @@ def test_expert_parallel_matches_single_process(world):
     run_distributed(_ep_body, world, TOKENS[world])
 
 
+def _router_only_body(rank, world):
+    """Only the routing weights need a gradient (frozen experts, an input without grad):
+    the home-weighted combine must still keep what its backward needs. Router gradients
+    against the eager combine (weights applied on the expert side)."""
+    grads = {}
+    for combine_impl in ("fused", "eager"):
+        cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2,
+                        comm_backend="all_to_all", ep_size=world, combine_impl=combine_impl)
+        torch.manual_seed(5)
+        layer = MoELayer(cfg)
+        layer.experts.requires_grad_(False)
+        x = torch.randn(6 + rank, 16, generator=torch.Generator().manual_seed(rank))
+        layer(x).square().sum().backward()
+        grads[combine_impl] = layer.router.weight.grad
+    torch.testing.assert_close(grads["fused"], grads["eager"], rtol=1e-5, atol=1e-6)
+    assert grads["fused"].abs().sum() > 0
+
+
+@pytest.mark.multiproc
+def test_a_combine_whose_weights_alone_need_grad_keeps_its_rows():
+    run_distributed(_router_only_body, 2)
+
+
+def test_a_combine_told_no_backward_refuses_one():
+    from moe_fn.autograd.routing import Combine
+
+    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                               combine_impl="fused"))
+    x = torch.randn(5, 8)
+    _, idx, w = layer.route(x)
+    plan = moe_fn.layer.make_route_plan(idx, 4)
+    ex = layer.exchange
+    rows, _, handle = ex.dispatch_fwd(x, None, ex.layout(plan))
+    out = Combine.apply(rows.requires_grad_(), ex, handle, w, None, False)
+    with pytest.raises(RuntimeError, match="needs_grad=False"):
+        out.sum().backward()
+
+
 def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
     layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
     layer._check_capturable(None)  # local, no checkpoint: capturable

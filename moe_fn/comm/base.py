@@ -56,8 +56,9 @@ class Exchange:
     - ``combine_bwd(handle, d_out) -> d_rows``: a cached dispatch of the output gradient.
 
     Exchanges whose rows come home one by one (``home_weighting = True``: local and
-    all_to_all) also offer ``combine_weighted_fwd(rows, weights, handle) -> (out, saved)``
-    and ``combine_weighted_bwd(handle, d_out, weights, saved) -> (d_rows, d_weights)``: the
+    all_to_all) also offer ``combine_weighted_fwd(rows, weights, handle, *, keep=True) ->
+    (out, saved)`` (``saved`` None with ``keep=False``, when no backward will run) and
+    ``combine_weighted_bwd(handle, d_out, weights, saved) -> (d_rows, d_weights)``: the
     routing weights applied at home inside the sum, so they never travel to the experts and
     the expert-side weighting pass disappears (MoELayer uses them with
     ``combine_impl="fused"``, where the weighted sum is one kernel). DeepEP sums on the

@@ -30,6 +30,14 @@ def _vec(t: torch.Tensor, *strides: int) -> int:
 
 
 @triton.jit
+def _two_source_row(r, rows_ptr, own_ptr, own_idx_ptr, split, s_r, s_own, VEC: tl.constexpr):
+    """Row ``r`` of [rows; own[own_idx]]: ``rows[r]`` below ``split``, else
+    ``own[own_idx[r - split]]`` read where it is (never copied behind ``rows``)."""
+    q = tl.load(own_idx_ptr + tl.maximum(r - split, 0), mask=r >= split, other=0).to(tl.int64)
+    return tl.where(r < split, rows_ptr + r * (s_r * VEC), own_ptr + q * (s_own * VEC))
+
+
+@triton.jit
 def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr, H, split,
                        s_r, s_own, s_o, K: tl.constexpr, HAS_W: tl.constexpr,
                        MASKED: tl.constexpr, W_BY_ROW: tl.constexpr, TWO_SRC: tl.constexpr,
@@ -46,10 +54,8 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr
             mj = cols < tl.where(r >= 0, H, 0)
             r = tl.maximum(r, 0)
         src = rows_ptr + r * (s_r * VEC)
-        if TWO_SRC:  # entries from ``split`` on name rows of ``own`` through ``own_idx``
-            q = tl.load(own_idx_ptr + tl.maximum(r - split, 0), mask=r >= split,
-                        other=0).to(tl.int64)
-            src = tl.where(r < split, src, own_ptr + q * (s_own * VEC))
+        if TWO_SRC:
+            src = _two_source_row(r, rows_ptr, own_ptr, own_idx_ptr, split, s_r, s_own, VEC)
         v = tl.load(src + cols, mask=mj, other=0.0).to(tl.float32)
         if HAS_W:
             if W_BY_ROW:  # a weight per gathered row
@@ -79,9 +85,7 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     and ``out`` may be row-strided views (columns contiguous), e.g. slices of wider rows.
     Given ``own`` and ``own_index``, entries ``j >= len(rows)`` read
     ``own[own_index[j - len(rows)]]`` (``moe_fn.pure.dispatch.gather_sum_own``)."""
-    if (own is None) != (own_index is None):
-        raise ValueError("own and own_index go together")
-    if own is not None:
+    if own is not None or own_index is not None:
         check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
         own = own if own.stride(-1) == 1 else own.contiguous()
         if own_index.numel() == 0:
@@ -213,10 +217,8 @@ def _gather_row_weight_bwd_kernel(src_ptr, index_ptr, own_ptr, own_tok_ptr, rows
     j = tl.load(index_ptr + i).to(tl.int64)
     w = tl.load(w_ptr + i).to(tl.float32)
     d_row = src_ptr + j * (s_s * VEC)
-    if TWO_SRC:  # entries from ``split`` on name rows of ``own`` through ``own_tok``
-        q = tl.load(own_tok_ptr + tl.maximum(j - split, 0), mask=j >= split,
-                    other=0).to(tl.int64)
-        d_row = tl.where(j < split, d_row, own_ptr + q * (s_own * VEC))
+    if TWO_SRC:
+        d_row = _two_source_row(j, src_ptr, own_ptr, own_tok_ptr, split, s_s, s_own, VEC)
     dot = _scale_and_dot(d_row, rows_ptr + i * (s_r * VEC), out_ptr + i * (s_o * VEC), w, H,
                          BLOCK_C)
     tl.store(dw_ptr + i, dot.to(dw_ptr.dtype.element_ty))
@@ -231,7 +233,7 @@ def launch_gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tok
     ``(d_rows, d_w)``."""
     src = src if src.stride(-1) == 1 else src.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    check_gather_row_weight_args(own, own_tokens)
+    check_gather_row_weight_args(src, own, own_tokens)
     two = own is not None
     if two:
         own = own if own.stride(-1) == 1 else own.contiguous()

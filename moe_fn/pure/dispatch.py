@@ -268,6 +268,26 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     return out, WeightedGatherSumRes(rows, index, weights, top_k)
 
 
+def check_own_rows_args(rows, own, own_index, names=("own", "own_index")) -> None:
+    """A second source of rows read in place, ``own[own_index]``, checked against
+    ``rows``."""
+    if (own is None) != (own_index is None):
+        raise ValueError(f"{names[0]} and {names[1]} go together")
+    if own is None:
+        return
+    check_tensor(names[1], own_index, ndim=1, dtypes=_INDEX_DTYPES)
+    check_same(f"rows, {names[0]} and {names[1]}", rows, own, own_index, dtype=False)
+    if own.dtype != rows.dtype or own.shape[1:] != rows.shape[1:]:
+        raise ValueError(f"{names[0]} rows ({tuple(own.shape)} {own.dtype}) must match rows "
+                         f"({tuple(rows.shape)} {rows.dtype})")
+
+
+def behind(rows, own, own_index):
+    """``[rows; own[own_index]]``: what a two-source kernel reads in place, materialised
+    (the pure twins' form)."""
+    return rows if own is None else torch.cat([rows, own.index_select(0, own_index)])
+
+
 def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index) -> None:
     _check_top_k(top_k)
     if index.dim() != 1 or index.numel() % top_k:
@@ -276,11 +296,8 @@ def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index) -> No
     if weights is not None and weights.shape != index.shape:
         raise ValueError(f"weights must have one entry per index entry "
                          f"({tuple(index.shape)}), got {tuple(weights.shape)}")
-    if own.dtype != rows.dtype or own.shape[1:] != rows.shape[1:]:
-        raise ValueError(f"own rows ({tuple(own.shape)} {own.dtype}) must match rows "
-                         f"({tuple(rows.shape)} {rows.dtype})")
-    if own_index.dim() != 1:
-        raise ValueError(f"own_index must be 1-D, got shape {tuple(own_index.shape)}")
+    check_tensor("rows", rows, ndim=2)
+    check_own_rows_args(rows, own, own_index)
 
 
 def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
@@ -289,7 +306,7 @@ def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
     ``own[own_index[j - len(rows)]]``. The combine's sum over the rows that arrived and the
     rank's own rows where the experts left them, none copied behind the others."""
     check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
-    every = torch.cat([rows, own.index_select(0, own_index)])
+    every = behind(rows, own, own_index)
     if weights is None:
         return gather_sum_fwd(every, index, top_k)[0]
     return weighted_gather_sum_fwd(every, index, weights, top_k)[0]

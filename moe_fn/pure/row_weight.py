@@ -8,6 +8,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_same, check_tensor
 from .activations import compute_dtype
+from .dispatch import behind, check_own_rows_args
 
 
 class RowWeightRes(NamedTuple):
@@ -40,9 +41,8 @@ def row_weight_bwd(res: RowWeightRes, d_out, *, needs=(True, True)):
     return d_rows, d_w
 
 
-def check_gather_row_weight_args(own, own_tokens) -> None:
-    if (own is None) != (own_tokens is None):
-        raise ValueError("own and own_tokens go together")
+def check_gather_row_weight_args(src, own, own_tokens) -> None:
+    check_own_rows_args(src, own, own_tokens, names=("own", "own_tokens"))
 
 
 def gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=None):
@@ -50,7 +50,6 @@ def gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tokens=Non
     ``(d_rows = w * d, d_w = <d, rows>)``. Given ``own`` and ``own_tokens``, entries from
     ``len(src)`` on read ``own[own_tokens[j - len(src)]]``, as if those rows were gathered
     behind ``src``."""
-    check_gather_row_weight_args(own, own_tokens)
-    if own is not None:
-        src = torch.cat([src, own.index_select(0, own_tokens)])
-    return row_weight_bwd(RowWeightRes(rows, weights), src.index_select(0, index))
+    check_gather_row_weight_args(src, own, own_tokens)
+    return row_weight_bwd(RowWeightRes(rows, weights),
+                          behind(src, own, own_tokens).index_select(0, index))

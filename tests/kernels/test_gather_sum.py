@@ -234,15 +234,19 @@ def test_gather_row_weight_bwd_reads_own_rows_where_they_are(dtype, n_src):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("n_src,n_own", [(5, 4), (0, 6), (6, 0)])
-def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own):
+@pytest.mark.parametrize("own_layout", ["contiguous", "odd_stride", "transposed"])
+def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own, own_layout):
     """Entries from len(rows) on read ``own[own_index[j - len(rows)]]``: against a float64
-    loop, on the kernel (row-strided arrivals, as unpacked from a packed buffer) and the CPU
-    wrapper (the pure twin)."""
+    loop, on the kernel (row-strided arrivals, as unpacked from a packed buffer; own rows
+    contiguous, at an odd row stride, or column-strided) and the CPU wrapper (the pure
+    twin)."""
     k = 2
     g = torch.Generator().manual_seed(3 * n_src + n_own)
     wide = torch.randn(n_src, 40, generator=g).to(dtype)
     rows = wide[:, :24]  # row stride 40: the row part of packed rows
-    own = torch.randn(9, 24, generator=g).to(dtype)
+    own = torch.randn(9, 27, generator=g).to(dtype)
+    own = {"contiguous": own[:, :24].contiguous(), "odd_stride": own[:, :24],
+           "transposed": own[:, :24].t().contiguous().t()}[own_layout]
     own_index = torch.randperm(9, generator=g)[:n_own]
     index = torch.randperm(n_src + n_own, generator=g)
     index = index[:index.numel() // k * k]
@@ -273,6 +277,11 @@ def test_gather_sum_own_rejects_what_does_not_match():
             fn(rows, index, 4, own=own, own_index=own_index)
     with pytest.raises(ValueError, match="own and own_index go together"):
         gs.launch_gather_sum(rows, index, 2, own=own)
+    for fn in (gs.launch_gather_sum, kernel_gather_sum_own):
+        with pytest.raises(ValueError, match="own and own_index go together"):
+            fn(rows, index, 2, own=None, own_index=own_index)
+        with pytest.raises(TypeError, match="own_index must have dtype"):
+            fn(rows, index, 2, own=own, own_index=own_index.float())
 
 
 # ----------------------------------------------------------------------------- masked

@@ -129,11 +129,12 @@ class Combine(torch.autograd.Function):
         refuse_double_backward("Combine")
         d_out = contiguous_grad(d_out)
         if ctx.mode == "home":
-            if not ctx.saved_tensors:
+            saved = ctx.saved_tensors  # once: a checkpoint's hooks unpack each tensor once
+            if not saved:
                 raise RuntimeError("Combine was told no backward would run (needs_grad=False) "
                                    "and kept nothing for one: pass needs_grad=True whenever "
                                    "its rows or weights require grad under grad mode")
-            src, weights = ctx.saved_tensors
+            src, weights = saved
             d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
             return d_rows, None, None, d_w, None, None
         if ctx.mode == "rows":

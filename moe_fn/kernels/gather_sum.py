@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pure.dispatch import check_copy_rows_args, check_gather_sum_own_args
+from ..pure.dispatch import (
+    check_copy_rows_args,
+    check_gather_sum_own_args,
+    check_split_rows_args,
+)
 from ..pure.row_weight import check_gather_row_weight_args
 from ._launch import cdiv, launch, next_pow2
 
@@ -185,9 +189,7 @@ def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int,
     p, h = rows.shape
     split = p if split is None else split
     lo = rows.new_empty((split, h))
-    if hi_index is not None and (hi_out is None or hi_index.numel() != p - split):
-        raise ValueError(f"hi_index needs hi_out and one entry per row from {split} on "
-                         f"({p - split}), got {hi_index.numel()}")
+    check_split_rows_args(p, split, hi_out, hi_index)
     hi = rows.new_empty((p - split, h)) if hi_out is None else hi_out
     d_w = torch.empty(p, dtype=weights.dtype, device=rows.device)
     if p == 0:

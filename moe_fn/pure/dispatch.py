@@ -312,20 +312,30 @@ def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
     return weighted_gather_sum_fwd(every, index, weights, top_k)[0]
 
 
+def check_split_rows_args(num_rows: int, split: int, hi_out, hi_index) -> None:
+    """Where rows from ``split`` on go: a new tensor, ``hi_out`` in order (its first
+    ``num_rows - split`` rows), or ``hi_out`` at the rows ``hi_index`` names."""
+    n_hi = num_rows - split
+    if hi_index is not None and hi_out is None:
+        raise ValueError("hi_index needs hi_out")
+    if hi_index is not None and hi_index.numel() != n_hi:
+        raise ValueError(f"hi_index needs one entry per row from {split} on ({n_hi}), got "
+                         f"{hi_index.numel()}")
+    if hi_index is None and hi_out is not None and hi_out.shape[0] != n_hi:
+        raise ValueError(f"hi_out must hold the {n_hi} rows from {split} on, got "
+                         f"{hi_out.shape[0]}")
+
+
 def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
     """``(rows[:split], rows[split:])``; given ``hi_out``, the second part is copied into it
     (at its rows ``hi_index`` when that is given too) and ``hi_out`` is returned instead:
     the layout the fused weighted-combine backward writes directly."""
     split = rows.shape[0] if split is None else split
+    check_split_rows_args(rows.shape[0], split, hi_out, hi_index)
     if hi_out is None:
-        if hi_index is not None:
-            raise ValueError("hi_index needs hi_out")
         return rows[:split], rows[split:]
     if hi_index is None:
         return rows[:split], hi_out.copy_(rows[split:])
-    if hi_index.numel() != rows.shape[0] - split:
-        raise ValueError(f"hi_index needs one entry per row from {split} on "
-                         f"({rows.shape[0] - split}), got {hi_index.numel()}")
     return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 

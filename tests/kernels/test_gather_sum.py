@@ -549,3 +549,5 @@ def test_weighted_bwd_scatters_the_tail_at_hi_index(fused):
         fn(d, rows, pos_to_row, w, 2, split=3, hi_index=hi_index)
     with pytest.raises(ValueError, match="one entry per row from 3 on"):
         fn(d, rows, pos_to_row, w, 2, split=3, hi_out=hi_out, hi_index=hi_index[:4])
+    with pytest.raises(ValueError, match="hi_out must hold the 5 rows from 3 on, got 10"):
+        fn(d, rows, pos_to_row, w, 2, split=3, hi_out=hi_out)

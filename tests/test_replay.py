@@ -267,7 +267,8 @@ def test_several_moe_layers_in_one_region_when_valid(skip, chained):
 
 
 def test_skip_with_output_written_in_place_raises():
-    """The sentinel is one NaN row broadcast: an in-place write into it fails at once."""
+    """The sentinel is a view the skipped combine returns: autograd refuses an in-place
+    write into it at once."""
     cfg = _cfg(1, skip_recompute_combine=True)
     b = make_model(cfg)[0]
 
@@ -280,6 +281,55 @@ def test_skip_with_output_written_in_place_raises():
     out = moe_fn.checkpoint(misuse, x)
     with pytest.raises(RuntimeError, match="modified inplace"):
         out.sum().backward()
+
+
+def test_skip_sentinel_is_one_contiguous_nan_buffer_shared_by_layers():
+    """The recompute's sentinels are contiguous views of one NaN buffer (the residual add
+    then takes PyTorch's vectorised path), reused by every layer and every step."""
+    model = make_model(_cfg(1, skip_recompute_combine=True))
+    seen = []
+
+    def grab(module, args, out):
+        if not torch.is_grad_enabled():  # the reentrant forward; the recompute has grad
+            return
+        seen.append(out)
+    hooks = [b.moe.register_forward_hook(grab) for b in model]
+    for tokens in (6, 4):  # a smaller batch reuses the first buffer's leading rows
+        x = torch.randn(tokens, H, requires_grad=True)
+        h = x
+        for b in model:
+            h = moe_fn.checkpoint(b, h)
+        h.sum().backward()
+        assert torch.isfinite(x.grad).all()
+    for hk in hooks:
+        hk.remove()
+    assert [tuple(o.shape) for o in seen] == [(6, H)] * 2 + [(4, H)] * 2
+    assert all(o.is_contiguous() and torch.isnan(o).all() for o in seen)
+    assert len({o.untyped_storage().data_ptr() for o in seen}) == 1
+
+
+def test_skip_sentinel_written_in_place_under_no_grad_raises_and_is_refilled():
+    """Written in place under no_grad, the sentinel is refused by autograd when next used,
+    and the next recompute gets NaN again rather than what was written into the buffer."""
+    b = make_model(_cfg(1, skip_recompute_combine=True))[0]
+
+    def misuse(h):
+        y = b.moe(h @ b.proj)
+        with torch.no_grad():
+            y.zero_()
+        return h + y
+
+    x = torch.randn(6, H, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        moe_fn.checkpoint(misuse, x).sum().backward()
+    seen = []
+    hook = b.moe.register_forward_hook(
+        lambda m, a, out: seen.append(out) if torch.is_grad_enabled() else None)
+    x.grad = None
+    moe_fn.checkpoint(b, x).sum().backward()
+    hook.remove()
+    assert len(seen) == 1 and torch.isnan(seen[0]).all()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_checkpoint_mode_must_be_a_bool():

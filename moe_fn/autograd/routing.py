@@ -145,6 +145,29 @@ class Combine(torch.autograd.Function):
         return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None, None
 
 
+# (device, dtype, width, stream) -> (NaN rows, their version when filled). One buffer
+# serves every layer's skipped combine: each gets a view of its first T rows.
+_SENTINELS: dict = {}
+
+
+def nan_sentinel(num_tokens: int, width: int, dtype, device) -> torch.Tensor:
+    """A contiguous ``(num_tokens, width)`` view of NaN rows, filled once and reused.
+    Contiguous so that the residual add reading it takes PyTorch's vectorised path (a
+    broadcast NaN row made that add about twice as slow). Returned by a custom Function,
+    the view cannot be written in place and then used (autograd refuses); if anything
+    wrote into the buffer anyway, it is refilled. Keyed by stream so that no stream reads
+    a fill still queued on another."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, dtype, width, stream)
+    buf, version = _SENTINELS.get(key, (None, None))
+    if buf is None or buf.shape[0] < num_tokens or buf._version != version:
+        rows = num_tokens if buf is None else max(num_tokens, buf.shape[0])
+        buf = torch.full((rows, width), float("nan"), dtype=dtype, device=device)
+        version = buf._version
+        _SENTINELS[key] = (buf, version)
+    return buf[:num_tokens]
+
+
 class SkippedCombine(torch.autograd.Function):
     """A combine (and post-expert row weighting) recorded, not executed.
 
@@ -162,11 +185,7 @@ class SkippedCombine(torch.autograd.Function):
         if ctx.weighted:
             ctx.save_for_backward(rows, row_weights)
         exchange.counters["combine_skipped"] += 1
-        t = handle.plan.num_tokens
-        # One NaN row broadcast to (T, H): nothing the size of the output is written, and
-        # an in-place write into it fails loudly.
-        return torch.full((1, rows.shape[-1]), float("nan"), dtype=rows.dtype,
-                          device=rows.device).expand(t, -1)
+        return nan_sentinel(handle.plan.num_tokens, rows.shape[-1], rows.dtype, rows.device)
 
     @staticmethod
     def backward(ctx, d_out):

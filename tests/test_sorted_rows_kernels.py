@@ -24,7 +24,7 @@ def _body(rank, world, tokens):
     real_copy, real_bwd = gather_sum.launch_copy_rows, gather_sum.launch_weighted_gather_sum_bwd
 
     def copy_rows(*a, **kw):
-        calls.append("copy_rows")
+        calls.append("copy_rows" if kw.get("values") is None else "copy_rows_values")
         return real_copy(*a, **kw)
 
     def weighted_bwd(*a, **kw):
@@ -38,7 +38,8 @@ def _body(rank, world, tokens):
     real_sum = gather_sum.launch_gather_sum
 
     def gather_sum_(*a, **kw):
-        calls.append("sum" if kw.get("own") is None else "sum_own")
+        calls.append(("sum" if kw.get("own") is None else "sum_own")
+                     + ("" if kw.get("values") is None else "_values"))
         return real_sum(*a, **kw)
     gather_sum.launch_gather_sum = gather_sum_
     gather_sum.launch_copy_rows = copy_rows
@@ -67,15 +68,20 @@ def _body(rank, world, tokens):
                                  "copy_rows", "sum_own",
                                  "copy_rows", "copy_rows", "sum_own"], calls
             elif combine_impl == "fused":
-                # The unweighted combine's backward needs no rows: in place either way.
-                assert calls == ["copy_rows", "copy_rows", "sum_own", "copy_rows",
-                                 "copy_rows", "sum_own",
-                                 "copy_rows", "copy_rows", "sum_own"], calls
+                # The unweighted combine's backward needs no rows: in place either way. The
+                # routing weights ride in the dispatch's row copies; their gradients come
+                # home packed behind the row gradients (the own ones where they are) and
+                # the dispatch backward's sum gathers them with the rows.
+                assert calls == ["copy_rows_values", "copy_rows_values", "sum_own",
+                                 "copy_rows", "copy_rows", "sum_own_values",
+                                 "copy_rows_values", "copy_rows_values", "sum_own"], calls
             elif "row_weighting_impl" not in kw:
-                # The dispatch (its rows packed with the routing weights) places own rows
-                # and arrivals; so does the combine's backward, a dispatch of the output
-                # gradient. The eager sums are torch ops.
-                assert calls == ["copy_rows"] * 6, calls
+                # The dispatch places own rows and arrivals with their routing weights (the
+                # experts apply them: the eager combine sums unweighted); so does the
+                # combine's backward, a dispatch of the output gradient, without weights.
+                # The eager sums are torch ops.
+                moves = ["copy_rows_values"] * 2
+                assert calls == [*moves, "copy_rows", "copy_rows", *moves], calls
 
 
 

@@ -200,7 +200,9 @@ def new_packed(rows: torch.Tensor, n: int, values: torch.Tensor) -> torch.Tensor
     return rows.new_empty((n, rows.shape[1] + _slots(rows, values)))
 
 
-def _value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The packed values' raw bytes in place: a row-strided ``(n, C * element size)`` uint8
+    view of ``packed``, for ``values (M, C)`` the template."""
     start = (packed.shape[1] - _slots(packed, values)) * packed.element_size()
     return packed.view(torch.uint8)[:, start:start + _tail_bytes(values)]
 
@@ -226,7 +228,7 @@ def unpack_rows(packed, values_like, index=None):
     h = packed.shape[1] - _slots(packed, values_like)
     if (packed.shape[0] if index is None else index.numel()) == 0:
         return packed[:, :h], values_like.new_empty((0, values_like.shape[1]))
-    raw = _value_bytes(packed, values_like)
+    raw = value_bytes(packed, values_like)
     # A copy either way: a contiguous slice (one row) may start at an offset the values'
     # dtype cannot view from (an odd row width).
     raw = (raw.clone(memory_format=torch.contiguous_format) if index is None

@@ -35,19 +35,25 @@ from .base import (
     pack_rows,
     sm_count,
     unpack_rows,
+    value_bytes,
 )
 
 
 class HomeRows(NamedTuple):
     """Rows back at their home rank: ``rows[order]`` in (token, k) order, where positions
     from ``len(rows)`` on, given ``own``, are ``own[own_index[p - len(rows)]]`` (the rank's
-    own rows read where the experts left them); ``weights (T*k,)`` in (token, k) order."""
+    own rows read where the experts left them); ``weights (T*k,)`` in (token, k) order.
+    Given ``values`` (the arrivals' weights, as bytes behind their rows) and ``own_values``
+    (the own rows' weights, where they are), ``weights`` is filled by the sum over the rows
+    (``SortedRowsExchange._sum_home``), which gathers them in the same pass."""
 
     rows: torch.Tensor
     order: torch.Tensor
     weights: torch.Tensor | None
     own: torch.Tensor | None = None
     own_index: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    own_values: torch.Tensor | None = None
 
 
 class SortedRowsExchange(Exchange):
@@ -91,18 +97,20 @@ class SortedRowsExchange(Exchange):
             send = pack_rows(token_rows, h.remote_tokens, w, h.flat.remote_tokens,
                              new_packed(token_rows, h.remote_tokens.numel(), w))
         buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
+        # The weights ride in the rows' copies: each lands where its row does.
+        w_out = None if weights is None else weights.new_empty((h.num_rows, 1))
         kernels.copy_rows(token_rows, h.self_tokens, out, h.self_dst,
-                          num_programs=_beside_collective(out))
-        if weights is not None:
-            w_out = weights.new_empty(h.num_rows).index_copy_(
-                0, h.self_dst, weights.index_select(0, h.flat.self_tokens))
+                          num_programs=_beside_collective(out),
+                          **({} if weights is None else
+                             {"values": w, "values_index": h.flat.self_tokens,
+                              "values_out": w_out}))
         if work is not None:
             work.wait()
         if weights is None:
             return kernels.copy_rows(buf, None, out, h.recv_dst), None
-        rows_in, w_in = unpack_rows(buf, w)
-        kernels.copy_rows(rows_in, None, out, h.recv_dst)
-        return out, w_out.index_copy_(0, h.recv_dst, w_in.reshape(-1))
+        kernels.copy_rows(buf[:, :token_rows.shape[1]], None, out, h.recv_dst,
+                          values=value_bytes(buf, w), values_out=w_out)
+        return out, w_out.reshape(-1)
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None,
                  own_in_place=False):
@@ -139,9 +147,11 @@ class SortedRowsExchange(Exchange):
             if weights is None:
                 return HomeRows(buf, h.home_order, None, *own)
             if own_in_place:
-                src, w_in = unpack_rows(buf, w)
-                w_home = torch.cat([w_in.reshape(-1), weights.index_select(0, h.self_dst)])
-                return HomeRows(src, h.home_order, w_home.index_select(0, h.home_order), *own)
+                # The sum gathers each entry's weight where it gathers its row: the
+                # arrivals' from the bytes behind them, the own rows' where they are.
+                return HomeRows(buf[:, :expert_rows.shape[1]], h.home_order,
+                                weights.new_empty(h.home_order.numel()), *own,
+                                values=value_bytes(buf, w), own_values=w)
             src, w_src = unpack_rows(buf, w, h.home_order)
             return HomeRows(src, h.home_order, w_src.reshape(-1))
         return finish
@@ -152,8 +162,10 @@ class SortedRowsExchange(Exchange):
         gather and a reduction)."""
         k = plan.top_k
         if home.own is not None:
-            return kernels.gather_sum_own(home.rows, home.order, k, weights, own=home.own,
-                                          own_index=home.own_index)
+            return kernels.gather_sum_own(
+                home.rows, home.order, k, weights, own=home.own, own_index=home.own_index,
+                values=home.values, own_values=home.own_values,
+                values_out=None if home.values is None else home.weights.view(-1, 1))
         if weights is None:
             impl = kernels.gather_sum_fwd if self.fused_combine else gather_sum_fwd
             return impl(home.rows, home.order, k)[0]

@@ -216,17 +216,18 @@ def weighted_gather_sum_fwd(rows, index, weights, top_k: int):
     return out, _pure_dispatch.WeightedGatherSumRes(rows, index, weights, int(top_k))
 
 
-def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
+def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index, values=None,
+                   own_values=None, values_out=None):
     """``moe_fn.pure.dispatch.gather_sum_own`` (the combine's sum reading the rank's own
-    rows where they are) in one pass on CUDA in eager mode. Not an op: the exchanges that
-    call it run eagerly."""
+    rows where they are, and the entries' values gathered alongside) in one pass on CUDA in
+    eager mode. Not an op: the exchanges that call it run eagerly."""
+    kw = dict(own=own, own_index=own_index, values=values, own_values=own_values,
+              values_out=values_out)
     if use_triton(rows) and not torch.compiler.is_compiling():
         from .gather_sum import launch_gather_sum
 
-        return launch_gather_sum(rows, index, int(top_k), weights, own=own,
-                                 own_index=own_index)
-    return _pure_dispatch.gather_sum_own(rows, index, int(top_k), weights, own=own,
-                                         own_index=own_index)
+        return launch_gather_sum(rows, index, int(top_k), weights, **kw)
+    return _pure_dispatch.gather_sum_own(rows, index, int(top_k), weights, **kw)
 
 
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
@@ -338,16 +339,21 @@ def gather_rows(src, index, *, out=None):
     return rows if out is None else out.copy_(rows)
 
 
-def copy_rows(src, index, out, out_index=None, *, num_programs=None):
-    """``moe_fn.pure.dispatch.copy_rows`` in one pass on CUDA in eager mode, where
-    ``num_programs`` caps the Triton grid, so that a copy queued beside a collective leaves
-    the collective's kernel SMs to start on. Not an op: the exchanges that call it run
-    eagerly."""
-    if use_triton(out) and not torch.compiler.is_compiling():
+def copy_rows(src, index, out, out_index=None, *, values=None, values_index=None,
+              values_out=None, num_programs=None):
+    """``moe_fn.pure.dispatch.copy_rows`` in one pass on CUDA in eager mode (values too),
+    where ``num_programs`` caps the Triton grid, so that a copy queued beside a collective
+    leaves the collective's kernel SMs to start on. Not an op: the exchanges that call it
+    run eagerly."""
+    ref = out if out is not None else values_out  # None: the pure function refuses it
+    if ref is not None and use_triton(ref) and not torch.compiler.is_compiling():
         from .gather_sum import launch_copy_rows
 
-        return launch_copy_rows(src, index, out, out_index, num_programs=num_programs)
-    return _pure_dispatch.copy_rows(src, index, out, out_index)
+        return launch_copy_rows(src, index, out, out_index, values=values,
+                                values_index=values_index, values_out=values_out,
+                                num_programs=num_programs)
+    return _pure_dispatch.copy_rows(src, index, out, out_index, values=values,
+                                    values_index=values_index, values_out=values_out)
 
 
 def pack_rows(rows, index, values, values_index, out, tail: int):

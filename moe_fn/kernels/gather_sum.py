@@ -42,10 +42,12 @@ def _two_source_row(r, rows_ptr, own_ptr, own_idx_ptr, split, s_r, s_own, VEC: t
 
 
 @triton.jit
-def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr, H, split,
-                       s_r, s_own, s_o, K: tl.constexpr, HAS_W: tl.constexpr,
-                       MASKED: tl.constexpr, W_BY_ROW: tl.constexpr, TWO_SRC: tl.constexpr,
-                       BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr, vals_ptr,
+                       own_vals_ptr, vout_ptr, H, split, s_r, s_own, s_o, s_v,
+                       K: tl.constexpr, HAS_W: tl.constexpr, MASKED: tl.constexpr,
+                       W_BY_ROW: tl.constexpr, TWO_SRC: tl.constexpr, HAS_VALS: tl.constexpr,
+                       VB: tl.constexpr, VB_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                       VEC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = cols < H
@@ -60,6 +62,14 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr
         src = rows_ptr + r * (s_r * VEC)
         if TWO_SRC:
             src = _two_source_row(r, rows_ptr, own_ptr, own_idx_ptr, split, s_r, s_own, VEC)
+        if HAS_VALS:  # the entry's VB value bytes from where its row is, by one program
+            b = tl.arange(0, VB_P)
+            mb = b < tl.where(tl.program_id(1) == 0, VB, 0)
+            vsrc = vals_ptr + r * s_v
+            if TWO_SRC:
+                vsrc = _two_source_row(r, vals_ptr, own_vals_ptr, own_idx_ptr, split, s_v, VB,
+                                       1)
+            tl.store(vout_ptr + (t * K + j) * VB + b, tl.load(vsrc + b, mask=mb), mask=mb)
         v = tl.load(src + cols, mask=mj, other=0.0).to(tl.float32)
         if HAS_W:
             if W_BY_ROW:  # a weight per gathered row
@@ -84,16 +94,21 @@ def _output(out, t: int, h: int, rows: torch.Tensor) -> torch.Tensor:
 def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
                       weights: torch.Tensor | None = None, *,
                       out: torch.Tensor | None = None, own: torch.Tensor | None = None,
-                      own_index: torch.Tensor | None = None) -> torch.Tensor:
+                      own_index: torch.Tensor | None = None, values=None, own_values=None,
+                      values_out=None) -> torch.Tensor:
     """The Triton path on any device (CPU tensors under ``TRITON_INTERPRET=1``). ``rows``
     and ``out`` may be row-strided views (columns contiguous), e.g. slices of wider rows.
     Given ``own`` and ``own_index``, entries ``j >= len(rows)`` read
-    ``own[own_index[j - len(rows)]]`` (``moe_fn.pure.dispatch.gather_sum_own``)."""
-    if own is not None or own_index is not None:
-        check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
+    ``own[own_index[j - len(rows)]]``, and given ``values`` (``own_values`` with ``own``),
+    each entry's value bytes go to ``values_out[j]`` in the same pass
+    (``moe_fn.pure.dispatch.gather_sum_own``)."""
+    if own is not None or own_index is not None or values is not None:
+        check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, values,
+                                  own_values, values_out)
+    if own is not None:
         own = own if own.stride(-1) == 1 else own.contiguous()
         if own_index.numel() == 0:
-            own = None
+            own = own_values = None
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     t = index.numel() // top_k
     h = rows.shape[1]
@@ -105,15 +120,22 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     w = index if weights is None else weights.contiguous()
     two = own is not None
     split = rows.shape[0]
-    if two and split == 0:  # nothing arrived: a dummy pointer, never read below split 0
-        rows = own
+    if two and split == 0:  # nothing arrived: dummy pointers, never read below split 0
+        rows, values = own, own_values
     second = own if two else rows
     vec = _vec(rows, rows.stride(0), second.stride(0), out.stride(0))
+    vals = vout = own_vals = out  # dummies unless values are gathered
+    vb = s_v = 0
+    if values is not None:
+        vals, vout = values.view(torch.uint8), values_out.view(torch.uint8)
+        own_vals = vals if own_values is None else own_values.contiguous().view(torch.uint8)
+        vb, s_v = vout.shape[1], vals.stride(0)
     launch(_gather_sum_kernel, grid, rows, index.contiguous(), w, second,
-           own_index.contiguous() if two else index, out, h, split, rows.stride(0) // vec,
-           second.stride(0) // vec, out.stride(0) // vec, K=top_k, HAS_W=weights is not None,
-           MASKED=False, W_BY_ROW=False, TWO_SRC=two, BLOCK_C=block, VEC=vec,
-           num_warps=4 if block >= 512 else 2)
+           own_index.contiguous() if two else index, out, vals, own_vals, vout, h, split,
+           rows.stride(0) // vec, second.stride(0) // vec, out.stride(0) // vec, s_v,
+           K=top_k, HAS_W=weights is not None, MASKED=False, W_BY_ROW=False, TWO_SRC=two,
+           HAS_VALS=values is not None, VB=vb, VB_P=next_pow2(max(vb, 1)), BLOCK_C=block,
+           VEC=vec, num_warps=4 if block >= 512 else 2)
     return out
 
 
@@ -134,10 +156,10 @@ def launch_masked_gather_sum(rows: torch.Tensor, table: torch.Tensor,
     vec = _vec(rows, rows.stride(0), out.stride(0))
     table = table.contiguous()
     launch(_gather_sum_kernel, (r, cdiv(h, block)),
-           rows, table, w, rows, table, out, h, 0, rows.stride(0) // vec,
-           rows.stride(0) // vec, out.stride(0) // vec, K=k, HAS_W=weights is not None,
-           MASKED=True, W_BY_ROW=True, TWO_SRC=False, BLOCK_C=block, VEC=vec,
-           num_warps=4 if block >= 512 else 2)
+           rows, table, w, rows, table, out, out, out, out, h, 0, rows.stride(0) // vec,
+           rows.stride(0) // vec, out.stride(0) // vec, 0, K=k, HAS_W=weights is not None,
+           MASKED=True, W_BY_ROW=True, TWO_SRC=False, HAS_VALS=False, VB=0, VB_P=1,
+           BLOCK_C=block, VEC=vec, num_warps=4 if block >= 512 else 2)
     return out
 
 
@@ -257,11 +279,13 @@ def launch_gather_row_weight_bwd(src, index, rows, weights, *, own=None, own_tok
 
 
 @triton.jit
-def _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, out_bytes_ptr,
-                N, H, s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_IDX: tl.constexpr,
+def _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, vout_ptr,
+                N, H, s_r, s_o, s_v, s_vo, tail, HAS_ROWS: tl.constexpr, HAS_IDX: tl.constexpr,
                 HAS_VALS: tl.constexpr, HAS_VIDX: tl.constexpr, HAS_DIDX: tl.constexpr,
-                VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr, ROWS: tl.constexpr,
+                VB: tl.constexpr, VB_P: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+    # Values are raw bytes: VB of them at ``vals_ptr + j * s_v`` go to ``vout_ptr + o * s_vo
+    # + tail`` (a packed row's tail, or a plain array's row when tail is 0).
     i = (blk * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     mi = i < N
     o = i  # the output row
@@ -273,7 +297,7 @@ def _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr,
             j = tl.load(vidx_ptr + i, mask=mi, other=0).to(tl.int64)
         b = tl.arange(0, VB_P)
         mb = mi[:, None] & (b < VB)[None, :]
-        raw = tl.load(vals_ptr + j[:, None] * VB + b[None, :], mask=mb)
+        raw = tl.load(vals_ptr + j[:, None] * s_v + b[None, :], mask=mb)
     if HAS_ROWS:
         r = i
         if HAS_IDX:
@@ -285,15 +309,14 @@ def _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr,
             m = mi[:, None] & (cols < H)[None, :]
             tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
     if HAS_VALS:
-        tl.store(out_bytes_ptr + o[:, None] * (s_o * VEC * ES) + tail + b[None, :], raw,
-                 mask=mb)
+        tl.store(vout_ptr + o[:, None] * s_vo + tail + b[None, :], raw, mask=mb)
 
 
 @triton.jit
-def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, out_bytes_ptr,
-                      N, H, s_r, s_o, tail, HAS_ROWS: tl.constexpr, HAS_IDX: tl.constexpr,
-                      HAS_VALS: tl.constexpr, HAS_VIDX: tl.constexpr, HAS_DIDX: tl.constexpr,
-                      VB: tl.constexpr, VB_P: tl.constexpr, ES: tl.constexpr,
+def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr, vout_ptr,
+                      N, H, s_r, s_o, s_v, s_vo, tail, HAS_ROWS: tl.constexpr,
+                      HAS_IDX: tl.constexpr, HAS_VALS: tl.constexpr, HAS_VIDX: tl.constexpr,
+                      HAS_DIDX: tl.constexpr, VB: tl.constexpr, VB_P: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
                       PERSISTENT: tl.constexpr):
     # ROWS rows a block (bench/gpu_gather.py sweeps it and BLOCK_C): one block per program,
@@ -301,12 +324,12 @@ def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr
     if PERSISTENT:
         for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
             _pack_block(blk, rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr,
-                        out_bytes_ptr, N, H, s_r, s_o, tail, HAS_ROWS, HAS_IDX, HAS_VALS,
-                        HAS_VIDX, HAS_DIDX, VB, VB_P, ES, ROWS, BLOCK_C, VEC)
+                        vout_ptr, N, H, s_r, s_o, s_v, s_vo, tail, HAS_ROWS, HAS_IDX,
+                        HAS_VALS, HAS_VIDX, HAS_DIDX, VB, VB_P, ROWS, BLOCK_C, VEC)
     else:
         _pack_block(tl.program_id(0), rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr,
-                    out_ptr, out_bytes_ptr, N, H, s_r, s_o, tail, HAS_ROWS, HAS_IDX, HAS_VALS,
-                    HAS_VIDX, HAS_DIDX, VB, VB_P, ES, ROWS, BLOCK_C, VEC)
+                    out_ptr, vout_ptr, N, H, s_r, s_o, s_v, s_vo, tail, HAS_ROWS, HAS_IDX,
+                    HAS_VALS, HAS_VIDX, HAS_DIDX, VB, VB_P, ROWS, BLOCK_C, VEC)
 
 
 # Rows per program and columns per step of the packing/gather kernel (the device bench
@@ -323,18 +346,24 @@ def launch_gather_rows(src, index, out=None, *, rows_per_program=None, block_c=N
                         num_warps)
 
 
-def launch_copy_rows(src, index, out, out_index=None, *, num_programs=None):
+def launch_copy_rows(src, index, out, out_index=None, *, values=None, values_index=None,
+                     values_out=None, num_programs=None):
     """``out[out_index[i]] = src[index[i]]`` (``src[i]`` without ``index``, ``out[i]``
-    without ``out_index``; one of them given) for every entry; ``num_programs`` caps the
-    grid. ``src`` and ``out`` may be row-strided views; ``out``'s columns must be
-    contiguous."""
-    n = check_copy_rows_args(src, index, out, out_index)
+    without ``out_index``; one of them given) for every entry, and in the same pass
+    ``values_out[out_index[i]] = values[values_index[i]]`` when values are given (as raw
+    bytes); ``num_programs`` caps the grid. ``src``, ``out`` and ``values`` may be
+    row-strided views; ``out``'s columns must be contiguous."""
+    n = check_copy_rows_args(src, index, out, out_index, values, values_index, values_out)
     if out.stride(-1) != 1:
         raise ValueError(f"out's columns must be contiguous, got strides {out.stride()}")
-    src = src if src.stride(-1) == 1 else src.contiguous()
-    return _launch_pack(src, index, None, None, out, 0, None, None, None, num_rows=n,
-                        out_index=None if out_index is None else out_index.contiguous(),
-                        num_programs=num_programs)
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    vals = None if values is None else values.view(torch.uint8)
+    vout = None if values is None else values_out.view(torch.uint8)
+    _launch_pack(src, index, vals, values_index, out, 0, None, None, None, num_rows=n,
+                 out_index=None if out_index is None else out_index.contiguous(),
+                 num_programs=num_programs, values_out=vout)
+    return out
 
 
 def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
@@ -361,7 +390,10 @@ def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
 
 
 def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, block_c,
-                 num_warps, *, num_rows=None, out_index=None, num_programs=None):
+                 num_warps, *, num_rows=None, out_index=None, num_programs=None,
+                 values_out=None):
+    """The one launch behind the gathers, copies and packing. Values (bytes, ``vals``) go
+    to ``values_out`` rows when given, else to the tails of ``out``'s packed rows."""
     n = out.shape[0] if num_rows is None else num_rows
     if n == 0:
         return out
@@ -371,6 +403,12 @@ def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, b
     src = out if rows is None else rows
     vec = _vec(out, src.stride(0), out.stride(0))
     vb = 0 if vals is None else vals.shape[1]
+    if vals is None:
+        vout, s_vo = out, 0
+    elif values_out is None:
+        vout, s_vo = out.view(torch.uint8), out.stride(0) * out.element_size()
+    else:
+        vout, s_vo = values_out, values_out.stride(0)
     dummy = out
     blocks = cdiv(n, per)
     grid = blocks if num_programs is None else max(1, min(num_programs, blocks))
@@ -378,11 +416,11 @@ def _launch_pack(rows, index, vals, values_index, out, tail, rows_per_program, b
            src, dummy if index is None else index.contiguous(),
            dummy if vals is None else vals,
            dummy if values_index is None else values_index.contiguous(),
-           dummy if out_index is None else out_index, out,
-           out.view(torch.uint8) if vals is not None else out, n, h, src.stride(0) // vec,
-           out.stride(0) // vec, tail, HAS_ROWS=rows is not None, HAS_IDX=index is not None,
+           dummy if out_index is None else out_index, out, vout, n, h, src.stride(0) // vec,
+           out.stride(0) // vec, 0 if vals is None else vals.stride(0), s_vo, tail,
+           HAS_ROWS=rows is not None, HAS_IDX=index is not None,
            HAS_VALS=vals is not None, HAS_VIDX=values_index is not None,
            HAS_DIDX=out_index is not None, VB=vb, VB_P=next_pow2(max(vb, 1)),
-           ES=out.element_size(), ROWS=per, BLOCK_C=block, VEC=vec,
+           ROWS=per, BLOCK_C=block, VEC=vec,
            PERSISTENT=grid < blocks, num_warps=num_warps or PACK_WARPS)
     return out

@@ -288,7 +288,8 @@ def behind(rows, own, own_index):
     return rows if own is None else torch.cat([rows, own.index_select(0, own_index)])
 
 
-def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index) -> None:
+def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, values=None,
+                              own_values=None, values_out=None) -> None:
     _check_top_k(top_k)
     if index.dim() != 1 or index.numel() % top_k:
         raise ValueError(f"index must be 1-D with a multiple of top_k={top_k} entries, got "
@@ -298,14 +299,41 @@ def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index) -> No
                          f"({tuple(index.shape)}), got {tuple(weights.shape)}")
     check_tensor("rows", rows, ndim=2)
     check_own_rows_args(rows, own, own_index)
+    if (values is None) != (values_out is None) or (values is None and own_values is not None):
+        raise ValueError("values and values_out go together (own_values with them)")
+    if values is None:
+        return
+    if (own is None) != (own_values is None):
+        raise ValueError("own_values go with own: one value row per own row")
+    check_value_rows("values", values, "values_out", values_out)
+    if own_values is not None:
+        check_value_rows("own_values", own_values, "values_out", values_out)
+    for name, v, r in (("values", values, rows), ("own_values", own_values, own)):
+        if v is not None and v.shape[0] != r.shape[0]:
+            raise ValueError(f"{name} must have a row per row of the rows they go with "
+                             f"({r.shape[0]}), got {v.shape[0]}")
+    if values_out.shape[0] != index.numel() or not values_out.is_contiguous():
+        raise ValueError(f"values_out must be contiguous with a row per index entry "
+                         f"({index.numel()}), got {tuple(values_out.shape)} strides "
+                         f"{values_out.stride()}")
 
 
-def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index):
+def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index, values=None,
+                   own_values=None, values_out=None):
     """``gather_sum_fwd`` (``weighted_gather_sum_fwd`` given ``weights``) over ``rows`` with
     ``own[own_index]`` behind them: an entry ``j >= len(rows)`` reads
     ``own[own_index[j - len(rows)]]``. The combine's sum over the rows that arrived and the
-    rank's own rows where the experts left them, none copied behind the others."""
-    check_gather_sum_own_args(rows, index, top_k, weights, own, own_index)
+    rank's own rows where the experts left them, none copied behind the others. Given
+    ``values`` (a row per row of ``rows``, e.g. the raw bytes packed behind them) and
+    ``own_values`` (a row per row of ``own``), each entry's value row is also gathered from
+    the same place into ``values_out[j]``, as raw bytes."""
+    check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, values, own_values,
+                              values_out)
+    if values is not None:
+        every_v = behind(values.view(torch.uint8),
+                         None if own_values is None else own_values.view(torch.uint8),
+                         own_index)
+        values_out.view(torch.uint8).copy_(every_v.index_select(0, index))
     every = behind(rows, own, own_index)
     if weights is None:
         return gather_sum_fwd(every, index, top_k)[0]
@@ -339,31 +367,72 @@ def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
     return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 
-def check_copy_rows_args(src, index, out, out_index) -> int:
+def check_copy_rows_args(src, index, out, out_index, values=None, values_index=None,
+                         values_out=None) -> int:
     """``copy_rows``' arguments checked; returns the number of rows to copy."""
     if index is None and out_index is None:
         raise ValueError("copy_rows needs index, out_index or both")
     n = (out_index if out_index is not None else index).numel()
-    if index is not None and out_index is not None and index.numel() != n:
-        raise ValueError(f"{index.numel()} source indices for {n} destination indices")
+    for name, t in (("index", index), ("values_index", values_index)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"{t.numel()} entries in {name} for {n} rows to copy")
     if (index is None and src.shape[0] < n) or (out_index is None and out.shape[0] < n):
         raise ValueError(f"{n} rows to copy from {src.shape[0]} into {out.shape[0]}")
     if src.dtype != out.dtype or src.shape[1:] != out.shape[1:]:
         raise ValueError(f"out ({tuple(out.shape)} {out.dtype}) must take src's rows "
                          f"({tuple(src.shape)} {src.dtype})")
+    if (values is None) != (values_out is None):
+        raise ValueError("values and values_out go together")
+    if values_index is not None and values is None:
+        raise ValueError("values_index without values")
+    if values is not None:
+        check_value_rows("values", values, "values_out", values_out)
+        if ((values_index is None and values.shape[0] < n)
+                or (out_index is None and values_out.shape[0] < n)):
+            raise ValueError(f"{n} values to copy from {values.shape[0]} into "
+                             f"{values_out.shape[0]}")
     return n
 
 
-def copy_rows(src, index, out, out_index=None):
+def check_value_rows(name, values, out_name, out) -> None:
+    """Values copied as raw bytes: both 2-D with contiguous columns and as many bytes a
+    row (their dtypes may differ: packed bytes into float32)."""
+    if values.dim() != 2 or out.dim() != 2 or _row_bytes(values) != _row_bytes(out):
+        raise ValueError(f"{out_name} ({tuple(out.shape)} {out.dtype}) must take {name}' rows "
+                         f"({tuple(values.shape)} {values.dtype}): both 2-D, with as many "
+                         "bytes a row")
+    if values.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"{name} and {out_name} must have contiguous columns, got strides "
+                         f"{values.stride()} and {out.stride()}")
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.shape[1] * t.element_size()
+
+
+def copy_rows(src, index, out, out_index=None, *, values=None, values_index=None,
+              values_out=None):
     """``out[out_index[i]] = src[index[i]]`` (``src[i]`` when ``index`` is None, ``out[i]``
     when ``out_index`` is None; one of them given): rows gathered and scattered at once,
-    e.g. straight to their expert-major places. Writes into ``out`` and returns it."""
-    n = check_copy_rows_args(src, index, out, out_index)
-    rows = src[:n] if index is None else src.index_select(0, index)
-    if out_index is None:
-        out[:n].copy_(rows)
-        return out
-    return out.index_copy_(0, out_index.long(), rows)
+    e.g. straight to their expert-major places. Given ``values`` (a row of them per copied
+    row, e.g. routing weights), also ``values_out[out_index[i]] = values[values_index[i]]``
+    (``values[i]`` without ``values_index``) as raw bytes: their dtypes may differ (packed
+    bytes into float32) where their rows hold as many bytes. Writes into ``out`` (and
+    ``values_out``) and returns ``out``."""
+    n = check_copy_rows_args(src, index, out, out_index, values, values_index, values_out)
+    dst = None if out_index is None else out_index.long()
+
+    def put(into, rows):
+        if dst is None:
+            into[:n].copy_(rows)
+        else:
+            into.index_copy_(0, dst, rows)
+    put(out, src[:n] if index is None else src.index_select(0, index))
+    if values is not None:
+        raw = values.view(torch.uint8)
+        put(values_out.view(torch.uint8),
+            raw[:n] if values_index is None else raw.index_select(0, values_index))
+    return out
 
 
 # Row at position p holds flattened row r = pos_to_row[p] of token r // k:

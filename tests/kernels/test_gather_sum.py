@@ -235,15 +235,28 @@ def test_gather_row_weight_bwd_reads_own_rows_where_they_are(dtype, n_src):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("n_src,n_own", [(5, 4), (0, 6), (6, 0)])
 @pytest.mark.parametrize("own_layout", ["contiguous", "odd_stride", "transposed"])
-def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own, own_layout):
+@pytest.mark.parametrize("with_values", [False, True])
+def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own, own_layout,
+                                                  with_values):
     """Entries from len(rows) on read ``own[own_index[j - len(rows)]]``: against a float64
     loop, on the kernel (row-strided arrivals, as unpacked from a packed buffer; own rows
     contiguous, at an odd row stride, or column-strided) and the CPU wrapper (the pure
-    twin)."""
+    twin). With values, each entry's value (a float32 routing-weight gradient: the packed
+    bytes behind an arrival, or the own row's from its own array) is gathered bit for bit
+    in the same pass."""
+    from moe_fn.comm.base import new_packed, pack_rows, value_bytes
+
     k = 2
     g = torch.Generator().manual_seed(3 * n_src + n_own)
     wide = torch.randn(n_src, 40, generator=g).to(dtype)
     rows = wide[:, :24]  # row stride 40: the row part of packed rows
+    vals = own_vals = v_out = None
+    if with_values:  # the arrivals packed with their values, as from the collective
+        in_vals = torch.randn(n_src, 1, generator=g)
+        packed = pack_rows(rows, torch.arange(n_src), in_vals, None,
+                           new_packed(rows, n_src, in_vals))
+        rows, vals = packed[:, :24], value_bytes(packed, in_vals)
+        own_vals = torch.randn(9, 1, generator=g)
     own = torch.randn(9, 27, generator=g).to(dtype)
     own = {"contiguous": own[:, :24].contiguous(), "odd_stride": own[:, :24],
            "transposed": own[:, :24].t().contiguous().t()}[own_layout]
@@ -255,12 +268,46 @@ def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own,
     for e, j in enumerate(index.tolist()):
         row = rows[j] if j < n_src else own[own_index[j - n_src]]
         want[e // k] += row.double() * (1.0 if w is None else float(w[e]))
-    dev = [t if t is None else t.to(DEV) for t in (rows, index, w, own, own_index)]
-    got = gs.launch_gather_sum(*dev[:2], k, dev[2], own=dev[3], own_index=dev[4])
-    pure = kernel_gather_sum_own(rows, index, k, w, own=own, own_index=own_index)
+    if with_values:
+        want_v = torch.tensor([[float(in_vals[j]) if j < n_src
+                                else float(own_vals[own_index[j - n_src]])]
+                               for j in index.tolist()]).reshape(-1, 1)
+        v_out = torch.full((index.numel(), 1), 9.0)
+        own_vals = own_vals if n_own else None
+    own = own if n_own or not with_values else None  # (no own rows: one source)
+    own_index = own_index if own is not None else None
+    dev = [t if t is None else t.to(DEV) for t in (rows, index, w, own, own_index, vals,
+                                                    own_vals)]
+    got_v = None if v_out is None else v_out.to(DEV)
+    got = gs.launch_gather_sum(*dev[:2], k, dev[2], own=dev[3], own_index=dev[4],
+                               values=dev[5], own_values=dev[6], values_out=got_v)
+    pure_v = None if v_out is None else v_out.clone()
+    pure = (kernel_gather_sum_own(rows, index, k, w, own=own, own_index=own_index,
+                                  values=vals, own_values=own_vals, values_out=pure_v)
+            if own is not None or with_values else gs.launch_gather_sum(rows, index, k, w))
     assert_close_to_ref(got.cpu(), pure, want)
     tol = {} if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(pure.double(), want, **tol)
+    if with_values:
+        assert torch.equal(got_v.cpu(), want_v) and torch.equal(pure_v, want_v)
+
+
+def test_gather_sum_own_refuses_values_that_do_not_fit():
+    rows, own = torch.randn(4, 8), torch.randn(5, 8)
+    index, own_index = torch.arange(6), torch.tensor([0, 3])
+    v, ov, vo = torch.zeros(4, 1), torch.zeros(5, 1), torch.zeros(6, 1)
+    kw = dict(own=own, own_index=own_index)
+    for fn in (gs.launch_gather_sum, kernel_gather_sum_own):
+        with pytest.raises(ValueError, match="values and values_out go together"):
+            fn(rows, index, 2, values=v, own_values=ov, **kw)
+        with pytest.raises(ValueError, match="own_values go with own"):
+            fn(rows, index, 2, values=v, values_out=vo, **kw)
+        with pytest.raises(ValueError, match="as many bytes a row"):
+            fn(rows, index, 2, values=v, own_values=torch.zeros(5, 2), values_out=vo, **kw)
+        with pytest.raises(ValueError, match="a row per row of the rows"):
+            fn(rows, index, 2, values=torch.zeros(3, 1), own_values=ov, values_out=vo, **kw)
+        with pytest.raises(ValueError, match="a row per index entry"):
+            fn(rows, index, 2, values=v, own_values=ov, values_out=torch.zeros(5, 1), **kw)
 
 
 def test_gather_sum_own_rejects_what_does_not_match():
@@ -501,6 +548,77 @@ def test_copy_rows_reads_a_column_strided_source():
     assert torch.equal(got.cpu(), want)
 
 
+def _copy_values_oracle(values, values_index, values_out, out_index):
+    """The values' bytes copied entry by entry."""
+    want = values_out.clone()
+    raw, dst = values.contiguous().view(torch.uint8), want.view(torch.uint8)
+    for i in range(out_index.numel()):
+        dst[int(out_index[i])] = raw[i if values_index is None else int(values_index[i])]
+    return want
+
+
+@pytest.mark.parametrize("source", ["typed", "packed"])
+@pytest.mark.parametrize("num_programs", [None, 2])
+@pytest.mark.parametrize("n", [0, 9, 29])
+def test_copy_rows_carries_values_to_the_rows_places(source, num_programs, n):
+    """Values (a routing weight a row) land where their rows do, bit for bit, from a typed
+    array through their own index (the own rows' weights) or from the raw bytes behind
+    packed rows (the arrivals'); rows no index names keep their values."""
+    from moe_fn.comm.base import new_packed, pack_rows, value_bytes
+    from moe_fn.kernels import copy_rows
+
+    g = torch.Generator().manual_seed(n + 100)
+    src = torch.randn(31, 33, generator=g).bfloat16()
+    weights = torch.randn(50, 1, generator=g)
+    out_index = torch.randperm(40, generator=g)[:n]
+    out = torch.zeros(40, 33, dtype=torch.bfloat16)
+    values_out = torch.full((40, 1), 7.0)
+    if source == "typed":
+        index = torch.randperm(31, generator=g)[:n]
+        values, values_index = weights, torch.randperm(50, generator=g)[:n]
+    else:  # rows packed with their weights, as they arrive from a collective
+        index = None
+        packed = pack_rows(src, torch.arange(31), weights[:31], None,
+                           new_packed(src, 31, weights))
+        src = packed[:, :33]
+        values, values_index = value_bytes(packed, weights), None
+    want_rows = _copy_rows_oracle(src, index, out, out_index)
+    want_vals = _copy_values_oracle(values, values_index, values_out, out_index)
+    dev = [None if t is None else t.to(DEV)
+           for t in (src, index, out, out_index, values, values_index)]
+    got_vals = values_out.to(DEV)
+    got = gs.launch_copy_rows(*dev[:4], values=dev[4], values_index=dev[5],
+                              values_out=got_vals, num_programs=num_programs)
+    assert torch.equal(got_vals.cpu(), want_vals)
+    assert torch.equal(got.cpu(), want_rows)
+    pure_vals = values_out.clone()  # the CPU wrapper: the pure function
+    pure = copy_rows(src, index, out.clone(), out_index, values=values,
+                     values_index=values_index, values_out=pure_vals)
+    assert torch.equal(pure_vals, want_vals) and torch.equal(pure, want_rows)
+
+
+@pytest.mark.parametrize("launcher", ["kernel", "wrapper"])
+def test_copy_rows_refuses_values_that_do_not_fit(launcher):
+    from moe_fn.kernels import copy_rows
+
+    fn = gs.launch_copy_rows if launcher == "kernel" else copy_rows
+    src, out, idx = torch.zeros(4, 8), torch.zeros(6, 8), torch.arange(2)
+    v, vo = torch.zeros(4, 1), torch.zeros(6, 1)
+    with pytest.raises(ValueError, match="values and values_out go together"):
+        fn(src, idx, out, idx, values=v)
+    with pytest.raises(ValueError, match="values_index without values"):
+        fn(src, idx, out, values_index=idx)
+    with pytest.raises(ValueError, match="as many bytes a row"):
+        fn(src, idx, out, idx, values=v, values_out=torch.zeros(6, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="3 entries in values_index for 2"):
+        fn(src, idx, out, idx, values=v, values_index=torch.arange(3), values_out=vo)
+    with pytest.raises(ValueError, match="5 values to copy from 4"):
+        fn(torch.zeros(6, 8), None, torch.zeros(6, 8), torch.arange(5), values=v,
+           values_out=vo)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        fn(src, idx, out, idx, values=torch.zeros(2, 4).t(), values_out=torch.zeros(6, 2))
+
+
 @pytest.mark.parametrize("launcher", ["kernel", "wrapper"])
 def test_copy_rows_rejects_what_does_not_match(launcher):
     from moe_fn.kernels import copy_rows
@@ -509,7 +627,7 @@ def test_copy_rows_rejects_what_does_not_match(launcher):
     src, out = torch.zeros(4, 8), torch.zeros(6, 8)
     with pytest.raises(ValueError, match="needs index, out_index or both"):
         fn(src, None, out)
-    with pytest.raises(ValueError, match="3 source indices for 2 destination"):
+    with pytest.raises(ValueError, match="3 entries in index for 2 rows"):
         fn(src, torch.arange(3), out, torch.arange(2))
     with pytest.raises(ValueError, match="5 rows to copy from 4"):
         fn(src, None, out, torch.arange(5))

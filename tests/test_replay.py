@@ -294,7 +294,8 @@ def test_skip_sentinel_is_one_contiguous_nan_buffer_shared_by_layers():
             return
         seen.append(out)
     hooks = [b.moe.register_forward_hook(grab) for b in model]
-    for tokens in (6, 4):  # a smaller batch reuses the first buffer's leading rows
+    for tokens in (6, 4, 9):  # a smaller batch reuses the buffer's leading rows; a larger
+        # one grows it
         x = torch.randn(tokens, H, requires_grad=True)
         h = x
         for b in model:
@@ -303,9 +304,11 @@ def test_skip_sentinel_is_one_contiguous_nan_buffer_shared_by_layers():
         assert torch.isfinite(x.grad).all()
     for hk in hooks:
         hk.remove()
-    assert [tuple(o.shape) for o in seen] == [(6, H)] * 2 + [(4, H)] * 2
+    assert [tuple(o.shape) for o in seen] == [(6, H)] * 2 + [(4, H)] * 2 + [(9, H)] * 2
     assert all(o.is_contiguous() and torch.isnan(o).all() for o in seen)
-    assert len({o.untyped_storage().data_ptr() for o in seen}) == 1
+    first, grown = ({o.untyped_storage().data_ptr() for o in part}
+                    for part in (seen[:4], seen[4:]))
+    assert len(first) == 1 and len(grown) == 1 and first != grown
 
 
 def test_skip_sentinel_written_in_place_under_no_grad_raises_and_is_refilled():

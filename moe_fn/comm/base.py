@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..pure.dispatch import row_bytes
 from ..pure.row_weight import RowWeightRes
 
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
@@ -187,12 +188,8 @@ class AllToAllTransport:
 # row is [row | the values' bytes | padding], the tail a multiple of 16 bytes, and the values
 # arrive bit for bit, whatever the two dtypes (unpacking copies them out, so an odd row
 # width never leaves them misaligned).
-def _tail_bytes(values: torch.Tensor) -> int:
-    return values.shape[1] * values.element_size()
-
-
 def _slots(rows: torch.Tensor, values: torch.Tensor) -> int:
-    return -(-_tail_bytes(values) // 16) * 16 // rows.element_size()
+    return -(-row_bytes(values) // 16) * 16 // rows.element_size()
 
 
 def new_packed(rows: torch.Tensor, n: int, values: torch.Tensor) -> torch.Tensor:
@@ -204,7 +201,7 @@ def value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The packed values' raw bytes in place: a row-strided ``(n, C * element size)`` uint8
     view of ``packed``, for ``values (M, C)`` the template."""
     start = (packed.shape[1] - _slots(packed, values)) * packed.element_size()
-    return packed.view(torch.uint8)[:, start:start + _tail_bytes(values)]
+    return packed.view(torch.uint8)[:, start:start + row_bytes(values)]
 
 
 def pack_rows(rows, index, values, values_index, out):

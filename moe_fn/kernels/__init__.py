@@ -345,15 +345,12 @@ def copy_rows(src, index, out, out_index=None, *, values=None, values_index=None
     where ``num_programs`` caps the Triton grid, so that a copy queued beside a collective
     leaves the collective's kernel SMs to start on. Not an op: the exchanges that call it
     run eagerly."""
-    ref = out if out is not None else values_out  # None: the pure function refuses it
-    if ref is not None and use_triton(ref) and not torch.compiler.is_compiling():
+    kw = dict(values=values, values_index=values_index, values_out=values_out)
+    if use_triton(out) and not torch.compiler.is_compiling():
         from .gather_sum import launch_copy_rows
 
-        return launch_copy_rows(src, index, out, out_index, values=values,
-                                values_index=values_index, values_out=values_out,
-                                num_programs=num_programs)
-    return _pure_dispatch.copy_rows(src, index, out, out_index, values=values,
-                                    values_index=values_index, values_out=values_out)
+        return launch_copy_rows(src, index, out, out_index, num_programs=num_programs, **kw)
+    return _pure_dispatch.copy_rows(src, index, out, out_index, **kw)
 
 
 def pack_rows(rows, index, values, values_index, out, tail: int):
@@ -367,7 +364,7 @@ def pack_rows(rows, index, values, values_index, out, tail: int):
         return launch_pack_rows(rows, index, values, values_index, out, tail)
     if rows is not None:
         gather_rows(rows, index, out=out[:, :rows.shape[1]])
-    raw = values.contiguous().view(torch.uint8)
+    raw = _pure_dispatch.value_rows_bytes(values)
     out.view(torch.uint8)[:, tail:tail + raw.shape[1]].copy_(
         raw if values_index is None else raw.index_select(0, values_index))
     return out

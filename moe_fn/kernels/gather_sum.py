@@ -14,6 +14,7 @@ from ..pure.dispatch import (
     check_copy_rows_args,
     check_gather_sum_own_args,
     check_split_rows_args,
+    value_rows_bytes,
 )
 from ..pure.row_weight import check_gather_row_weight_args
 from ._launch import cdiv, launch, next_pow2
@@ -102,7 +103,7 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     ``own[own_index[j - len(rows)]]``, and given ``values`` (``own_values`` with ``own``),
     each entry's value bytes go to ``values_out[j]`` in the same pass
     (``moe_fn.pure.dispatch.gather_sum_own``)."""
-    if own is not None or own_index is not None or values is not None:
+    if any(a is not None for a in (own, own_index, values, own_values, values_out)):
         check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, values,
                                   own_values, values_out)
     if own is not None:
@@ -113,10 +114,10 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     t = index.numel() // top_k
     h = rows.shape[1]
     out = _output(out, t, h, rows)
-    if t == 0 or h == 0:
+    if t == 0 or (h == 0 and values is None):
         return out.zero_()
-    block = min(_BLOCK_C, next_pow2(h))
-    grid = (t, cdiv(h, block))
+    block = min(_BLOCK_C, next_pow2(max(h, 1)))
+    grid = (t, max(1, cdiv(h, block)))  # (zero-width rows: one program gathers values)
     w = index if weights is None else weights.contiguous()
     two = own is not None
     split = rows.shape[0]
@@ -127,8 +128,8 @@ def launch_gather_sum(rows: torch.Tensor, index: torch.Tensor, top_k: int,
     vals = vout = own_vals = out  # dummies unless values are gathered
     vb = s_v = 0
     if values is not None:
-        vals, vout = values.view(torch.uint8), values_out.view(torch.uint8)
-        own_vals = vals if own_values is None else own_values.contiguous().view(torch.uint8)
+        vals, vout = value_rows_bytes(values), values_out.view(torch.uint8)
+        own_vals = vals if own_values is None else value_rows_bytes(own_values).contiguous()
         vb, s_v = vout.shape[1], vals.stride(0)
     launch(_gather_sum_kernel, grid, rows, index.contiguous(), w, second,
            own_index.contiguous() if two else index, out, vals, own_vals, vout, h, split,
@@ -358,7 +359,7 @@ def launch_copy_rows(src, index, out, out_index=None, *, values=None, values_ind
         raise ValueError(f"out's columns must be contiguous, got strides {out.stride()}")
     if src.stride(-1) != 1:
         src = src.contiguous()
-    vals = None if values is None else values.view(torch.uint8)
+    vals = None if values is None else value_rows_bytes(values)
     vout = None if values is None else values_out.view(torch.uint8)
     _launch_pack(src, index, vals, values_index, out, 0, None, None, None, num_rows=n,
                  out_index=None if out_index is None else out_index.contiguous(),
@@ -375,7 +376,7 @@ def launch_pack_rows(rows, index, values, values_index, out, tail: int, *,
     n = out.shape[0]
     if out.stride(-1) != 1 or (n > 1 and out.stride(0) != out.shape[1]):
         raise ValueError(f"out must hold whole packed rows, got strides {out.stride()}")
-    vals = values.contiguous().view(torch.uint8)
+    vals = value_rows_bytes(values).contiguous()
     if tail < 0 or tail + vals.shape[1] > out.shape[1] * out.element_size():
         raise ValueError(f"the values' {vals.shape[1]} bytes at {tail} do not fit a packed "
                          f"row of {out.shape[1] * out.element_size()} bytes")

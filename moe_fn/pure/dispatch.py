@@ -305,9 +305,9 @@ def check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, value
         return
     if (own is None) != (own_values is None):
         raise ValueError("own_values go with own: one value row per own row")
-    check_value_rows("values", values, "values_out", values_out)
+    check_value_rows("values", values, "values_out", values_out, like=rows)
     if own_values is not None:
-        check_value_rows("own_values", own_values, "values_out", values_out)
+        check_value_rows("own_values", own_values, "values_out", values_out, like=rows)
     for name, v, r in (("values", values, rows), ("own_values", own_values, own)):
         if v is not None and v.shape[0] != r.shape[0]:
             raise ValueError(f"{name} must have a row per row of the rows they go with "
@@ -330,8 +330,8 @@ def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index, val
     check_gather_sum_own_args(rows, index, top_k, weights, own, own_index, values, own_values,
                               values_out)
     if values is not None:
-        every_v = behind(values.view(torch.uint8),
-                         None if own_values is None else own_values.view(torch.uint8),
+        every_v = behind(value_rows_bytes(values),
+                         None if own_values is None else value_rows_bytes(own_values),
                          own_index)
         values_out.view(torch.uint8).copy_(every_v.index_select(0, index))
     every = behind(rows, own, own_index)
@@ -386,7 +386,9 @@ def check_copy_rows_args(src, index, out, out_index, values=None, values_index=N
     if values_index is not None and values is None:
         raise ValueError("values_index without values")
     if values is not None:
-        check_value_rows("values", values, "values_out", values_out)
+        check_value_rows("values", values, "values_out", values_out, like=out)
+        if values_index is not None:
+            check_tensor("values_index", values_index, ndim=1, dtypes=_INDEX_DTYPES)
         if ((values_index is None and values.shape[0] < n)
                 or (out_index is None and values_out.shape[0] < n)):
             raise ValueError(f"{n} values to copy from {values.shape[0]} into "
@@ -394,20 +396,35 @@ def check_copy_rows_args(src, index, out, out_index, values=None, values_index=N
     return n
 
 
-def check_value_rows(name, values, out_name, out) -> None:
-    """Values copied as raw bytes: both 2-D with contiguous columns and as many bytes a
-    row (their dtypes may differ: packed bytes into float32)."""
-    if values.dim() != 2 or out.dim() != 2 or _row_bytes(values) != _row_bytes(out):
+def check_value_rows(name, values, out_name, out, like=None) -> None:
+    """Values copied as raw bytes: both 2-D with as many bytes a row (their dtypes may
+    differ: packed bytes into float32), on ``like``'s device; ``out`` written through a
+    byte view, so its columns contiguous."""
+    check_tensor(name, values, ndim=2)
+    check_tensor(out_name, out, ndim=2)
+    check_same(f"{name} and {out_name}", *((values, out) if like is None else
+                                           (like, values, out)), dtype=False)
+    if row_bytes(values) != row_bytes(out):
         raise ValueError(f"{out_name} ({tuple(out.shape)} {out.dtype}) must take {name}' rows "
-                         f"({tuple(values.shape)} {values.dtype}): both 2-D, with as many "
-                         "bytes a row")
-    if values.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"{name} and {out_name} must have contiguous columns, got strides "
-                         f"{values.stride()} and {out.stride()}")
+                         f"({tuple(values.shape)} {values.dtype}): as many bytes a row")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{out_name} must have contiguous columns, got strides {out.stride()}")
 
 
-def _row_bytes(t: torch.Tensor) -> int:
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes in a row of ``t (M, C)``."""
     return t.shape[1] * t.element_size()
+
+
+def value_rows_bytes(values: torch.Tensor) -> torch.Tensor:
+    """``values (M, C)`` as their raw bytes ``(M, C * element size)``: a view where the
+    columns are contiguous (a row-strided view of packed bytes stays one), else a copy (a
+    gradient expanded from one value has stride 0)."""
+    if values.dtype == torch.uint8 and values.stride(-1) == 1:
+        return values
+    if values.stride(-1) != 1:
+        values = values.clone(memory_format=torch.contiguous_format)
+    return values.view(torch.uint8)
 
 
 def copy_rows(src, index, out, out_index=None, *, values=None, values_index=None,
@@ -429,7 +446,7 @@ def copy_rows(src, index, out, out_index=None, *, values=None, values_index=None
             into.index_copy_(0, dst, rows)
     put(out, src[:n] if index is None else src.index_select(0, index))
     if values is not None:
-        raw = values.view(torch.uint8)
+        raw = value_rows_bytes(values)
         put(values_out.view(torch.uint8),
             raw[:n] if values_index is None else raw.index_select(0, values_index))
     return out

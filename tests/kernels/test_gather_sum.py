@@ -278,7 +278,7 @@ def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own,
     own_index = own_index if own is not None else None
     dev = [t if t is None else t.to(DEV) for t in (rows, index, w, own, own_index, vals,
                                                     own_vals)]
-    got_v = None if v_out is None else v_out.to(DEV)
+    got_v = None if v_out is None else v_out.clone().to(DEV)  # (on CPU .to is no copy)
     got = gs.launch_gather_sum(*dev[:2], k, dev[2], own=dev[3], own_index=dev[4],
                                values=dev[5], own_values=dev[6], values_out=got_v)
     pure_v = None if v_out is None else v_out.clone()
@@ -298,6 +298,11 @@ def test_gather_sum_own_refuses_values_that_do_not_fit():
     v, ov, vo = torch.zeros(4, 1), torch.zeros(5, 1), torch.zeros(6, 1)
     kw = dict(own=own, own_index=own_index)
     for fn in (gs.launch_gather_sum, kernel_gather_sum_own):
+        # Refused, not ignored, without values (the kernel checked only with them).
+        with pytest.raises(ValueError, match="values and values_out go together"):
+            fn(rows, index, 2, **kw, values_out=vo)
+        with pytest.raises(ValueError, match="values and values_out go together"):
+            fn(rows, index, 2, **kw, own_values=ov)
         with pytest.raises(ValueError, match="values and values_out go together"):
             fn(rows, index, 2, values=v, own_values=ov, **kw)
         with pytest.raises(ValueError, match="own_values go with own"):
@@ -308,6 +313,18 @@ def test_gather_sum_own_refuses_values_that_do_not_fit():
             fn(rows, index, 2, values=torch.zeros(3, 1), own_values=ov, values_out=vo, **kw)
         with pytest.raises(ValueError, match="a row per index entry"):
             fn(rows, index, 2, values=v, own_values=ov, values_out=torch.zeros(5, 1), **kw)
+
+
+def test_gather_sum_gathers_values_of_zero_width_rows():
+    """Rows of no columns still have values to gather (the kernel returned before)."""
+    rows, index = torch.zeros(4, 0), torch.tensor([3, 0, 2, 1])
+    vals = torch.arange(4.0).reshape(4, 1)
+    got, want = torch.full((4, 1), 7.0).to(DEV), vals[index]
+    gs.launch_gather_sum(rows.to(DEV), index.to(DEV), 2, values=vals.to(DEV), values_out=got)
+    pure = torch.full((4, 1), 7.0)
+    kernel_gather_sum_own(rows, index, 2, own=None, own_index=None, values=vals,
+                          values_out=pure)
+    assert torch.equal(got.cpu(), want) and torch.equal(pure, want)
 
 
 def test_gather_sum_own_rejects_what_does_not_match():
@@ -532,7 +549,7 @@ def test_copy_rows_kernel_and_wrapper_match_a_loop(dtype, with_index, with_out_i
     out = torch.full((40, 33), 5.0, dtype=dtype)
     want = _copy_rows_oracle(src, index, out, out_index)
     dev = [None if t is None else t.to(DEV) for t in (index, out_index)]
-    got = gs.launch_copy_rows(src.to(DEV), dev[0], out.to(DEV), dev[1],
+    got = gs.launch_copy_rows(src.to(DEV), dev[0], out.clone().to(DEV), dev[1],
                               num_programs=num_programs)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(copy_rows(src, index, out.clone(), out_index), want)  # CPU wrapper
@@ -585,8 +602,8 @@ def test_copy_rows_carries_values_to_the_rows_places(source, num_programs, n):
     want_rows = _copy_rows_oracle(src, index, out, out_index)
     want_vals = _copy_values_oracle(values, values_index, values_out, out_index)
     dev = [None if t is None else t.to(DEV)
-           for t in (src, index, out, out_index, values, values_index)]
-    got_vals = values_out.to(DEV)
+           for t in (src, index, out.clone(), out_index, values, values_index)]
+    got_vals = values_out.clone().to(DEV)  # (on CPU .to is no copy)
     got = gs.launch_copy_rows(*dev[:4], values=dev[4], values_index=dev[5],
                               values_out=got_vals, num_programs=num_programs)
     assert torch.equal(got_vals.cpu(), want_vals)
@@ -615,8 +632,10 @@ def test_copy_rows_refuses_values_that_do_not_fit(launcher):
     with pytest.raises(ValueError, match="5 values to copy from 4"):
         fn(torch.zeros(6, 8), None, torch.zeros(6, 8), torch.arange(5), values=v,
            values_out=vo)
-    with pytest.raises(ValueError, match="contiguous columns"):
-        fn(src, idx, out, idx, values=torch.zeros(2, 4).t(), values_out=torch.zeros(6, 2))
+    with pytest.raises(ValueError, match="values_out must have contiguous columns"):
+        fn(src, idx, out, idx, values=torch.zeros(4, 2), values_out=torch.zeros(2, 6).t())
+    with pytest.raises(TypeError, match="values_index must have dtype"):
+        fn(src, idx, out, idx, values=v, values_index=idx.float(), values_out=vo)
 
 
 @pytest.mark.parametrize("launcher", ["kernel", "wrapper"])

@@ -15,7 +15,7 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
-ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem")
+ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem", "copy_engine")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
 DEEPEP_MAX_HIDDEN = 8184
@@ -55,7 +55,10 @@ class MoEConfig:
     ``all_to_all_single``; ``"symm_mem"`` publishes what each rank holds in torch symmetric
     memory and the others read it over NVLink straight into place — each token once per
     rank for the dispatch, one float32 partial per (token, rank) for the combine — CUDA
-    ranks of one host; on CPUs a gathering stand-in runs the same logic).
+    ranks of one host; on CPUs a gathering stand-in runs the same logic;
+    ``"copy_engine"`` moves the collective's rows, but each receiver pulls them from its
+    peers' symmetric memory with copies the GPU's copy engines run, taking no SMs from
+    what runs beside them; same hosts and stand-in).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its

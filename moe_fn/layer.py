@@ -50,6 +50,10 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
         from .comm.token_a2a import TokenAllToAllExchange
         return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
+    if config.comm_backend == "all_to_all" and config.all_to_all_transport == "copy_engine":
+        from .comm.copy_engine import CopyEngineRowsExchange
+        return CopyEngineRowsExchange(num_experts=config.num_experts, group=process_group,
+                                      fused_combine=config.combine_impl == "fused")
     if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
         from .comm.peer_rows import PeerRowsExchange
         return PeerRowsExchange(num_experts=config.num_experts, group=process_group,

@@ -1,5 +1,6 @@
-"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem transport over real
-symmetric memory and NCCL against the collective all_to_all on the same model — plain,
+"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem and copy_engine
+transports over real symmetric memory and NCCL against the collective all_to_all on the
+same model — plain,
 with the weight-gradient overlap, under the reentrant checkpoint with the combine skip —
 and across a buffer growth and a release. Run with both GPUs visible:
 ``python -m pytest tests/test_gpu_ep.py``."""
@@ -63,6 +64,10 @@ def compare_transports(rank, world, device=None):
         if tokens not in ref64:  # the same function with every option
             ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "collective")
         want = _grads(rank, world, device, dtype, tokens, "collective", **kw)
+        # The copy engines move the collective's rows: the same results bit for bit.
+        ce = _grads(rank, world, device, dtype, tokens, "copy_engine", **kw)
+        for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
+            assert torch.equal(a, b), f"copy_engine {name} {dtype} {kw} {tokens}"
         got = _grads(rank, world, device, dtype, tokens, "symm_mem", **kw)
         for name, a, b, r in zip(["out", "x.grad", "router", "gate_up", "down"], want, got,
                                  ref64[tokens]):

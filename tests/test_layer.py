@@ -322,7 +322,8 @@ def _ep_body(rank, world, tokens_per_rank):
 # The fused combine weights the rows at home (combine_weighted_fwd/bwd).
 EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
              dict(all_to_all_transport="symm_mem", combine_impl="fused"),
-             dict(combine_impl="fused")]
+             dict(combine_impl="fused"), dict(all_to_all_transport="copy_engine"),
+             dict(all_to_all_transport="copy_engine", combine_impl="fused")]
 
 
 TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}

@@ -93,8 +93,8 @@ def _check_gradients(rank, world):
 
 
 def _check_gradients_other_exchange(rank, world, **exchange_kw):
-    """The token-once all_to_all (all_to_all_dedup) and the symm_mem transport: the same
-    guarantees."""
+    """The token-once all_to_all (all_to_all_dedup) and the symm_mem and copy-engine
+    transports: the same guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
@@ -162,6 +162,8 @@ def _body(rank, world):
         _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
                                         combine_impl=combine_impl)
     _check_order_and_failure(rank, world, all_to_all_transport="symm_mem")
+    _check_gradients_other_exchange(rank, world, all_to_all_transport="copy_engine",
+                                    combine_impl="fused")
 
 
 @pytest.mark.multiproc

@@ -175,7 +175,8 @@ class AllToAllTransport:
         _all_gather(c, plan.counts.contiguous(), group=self.group)
         return c.view(self.ep_size, -1)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+                  pulls=None):
         rows = rows.contiguous()
         if out is None:
             out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))

@@ -25,7 +25,7 @@ from ..pure.dispatch import (
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
-from ..records import RoutePlan, SortedRowsHandle
+from ..records import RoutePlan, RowPulls, SortedRowsHandle
 from .base import (
     AllToAllTransport,
     Exchange,
@@ -66,7 +66,8 @@ class SortedRowsExchange(Exchange):
     fused_combine = False
     home_weighting = True
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+                  pulls=None):
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
@@ -96,7 +97,8 @@ class SortedRowsExchange(Exchange):
             w = weights.reshape(-1, 1)
             send = pack_rows(token_rows, h.remote_tokens, w, h.flat.remote_tokens,
                              new_packed(token_rows, h.remote_tokens.numel(), w))
-        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
+        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
+                                   pulls=h.pulls_out)
         # The weights ride in the rows' copies: each lands where its row does.
         w_out = None if weights is None else weights.new_empty((h.num_rows, 1))
         kernels.copy_rows(token_rows, h.self_tokens, out, h.self_dst,
@@ -134,7 +136,7 @@ class SortedRowsExchange(Exchange):
             send = pack_rows(expert_rows, h.recv_dst, w, h.recv_dst,
                              new_packed(expert_rows, h.recv_dst.numel(), w))
         _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
-                                 out=buf[:n_in])
+                                 out=buf[:n_in], pulls=h.pulls_home)
         own = (expert_rows, h.self_dst) if own_in_place else ()
         if not own_in_place and weights is None:
             torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
@@ -225,7 +227,7 @@ class SortedRowsExchange(Exchange):
         if h.self_dst is None:  # one rank: sorted order is expert order
             return kernels.gather_row_weight_bwd(d_out, h.self_tokens, rows, row_weights)
         buf, work = self._exchange(d_out.index_select(0, h.remote_tokens), h.send_splits,
-                                   h.recv_splits, async_op=True)
+                                   h.recv_splits, async_op=True, pulls=h.pulls_out)
         if work is not None:
             work.wait()
         # Own rows' gradients are read from d_out where they are: nothing is copied.
@@ -265,7 +267,7 @@ class SortedRowsExchange(Exchange):
                                           split=flat.remote_tokens.numel(),
                                           hi_out=d_rows, hi_index=handle.self_dst)
         buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
-                                   async_op=True)
+                                   async_op=True, pulls=handle.pulls_out)
         if work is not None:
             work.wait()
         kernels.copy_rows(buf, None, d_rows, handle.recv_dst)
@@ -297,7 +299,8 @@ class LocalExchange(SortedRowsExchange):
         super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
         self.fused_combine = fused_combine
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+                  pulls=None):
         raise AssertionError("the local exchange moves nothing between ranks")
 
     def _layout_counts(self, plan):
@@ -317,8 +320,23 @@ def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=Non
                             flat=flat, **kw)
 
 
+def _row_pulls(rank_rows: list, ep: int, me: int) -> dict:
+    """``pulls_out`` / ``pulls_home`` from ``rank_rows`` (ep * ep: rows rank s sends rank d
+    towards the experts, at s * ep + d). A rank's send buffer holds its rows for the other
+    ranks in rank order: towards the experts, rank s's rows for d; home, the rows rank s
+    received from d."""
+    m = [[0 if s == d else rank_rows[s * ep + d] for d in range(ep)] for s in range(ep)]
+    out = RowPulls(offsets=tuple(sum(m[s][:me]) for s in range(ep)),
+                   max_rows=max(sum(row) for row in m))
+    home = RowPulls(offsets=tuple(sum(m[d][s] for d in range(me)) for s in range(ep)),
+                    max_rows=max(sum(m[d][s] for d in range(ep)) for s in range(ep)))
+    return {"pulls_out": out, "pulls_home": home}
+
+
 class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
     """One row per (token, expert) over ``all_to_all_single`` with split sizes."""
+
+    pulls = False  # whether the transport pulls rows from its peers (needs RowPulls)
 
     def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
         self.fused_combine = fused_combine
@@ -334,8 +352,12 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         c = self._gather_counts(plan)
         home = kernels.rows_home_side(c, plan.offs, plan.counts, plan.perm,
                                       plan.token_of_sorted, r, plan.top_k)
-        sizes = home.sizes[:2 * ep].tolist()
-        recv_splits, send_splits = sizes[:ep], sizes[ep:]
+        sizes = home.sizes[:2 * ep]
+        if self.pulls:  # every rank's rows to every rank, in the same host sync
+            sizes = torch.cat([sizes, c.view(ep, ep, -1).sum(-1).flatten().to(sizes.dtype)])
+        sizes = sizes.tolist()
+        pulls = {} if not self.pulls else _row_pulls(sizes[2 * ep:], ep, r)
+        recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         own = send_splits[r]
         recv_start = sum(recv_splits[:r])
         n = sum(recv_splits)
@@ -349,4 +371,4 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
             remote_tokens=home.buffer_tokens[:n_send], remote_flat=home.buffer_flat[:n_send],
             self_tokens=home.buffer_tokens[n_send:], self_flat=home.buffer_flat[n_send:],
             self_dst=dst[n_recv:], recv_dst=dst[:n_recv], home_order=home.home_order,
-            local_offs=home.local_offs, num_rows=n)
+            local_offs=home.local_offs, num_rows=n, **pulls)

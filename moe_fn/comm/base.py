@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,22 @@ class Exchange:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class SendRows(NamedTuple):
+    """Rows to send, not yet written: ``write(out)`` fills ``out (num_rows, width)``, so that
+    a transport can have them written where it sends from (``materialize()`` otherwise)."""
+
+    num_rows: int
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+    write: Callable[[torch.Tensor], Any]
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.empty((self.num_rows, self.width), dtype=self.dtype, device=self.device)
+        self.write(out)
+        return out
+
+
 class AllToAllTransport:
     """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on
     CPUs): the transport of both all_to_all exchanges (rows, and tokens once); the row
@@ -177,7 +193,7 @@ class AllToAllTransport:
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
                   pulls=None):
-        rows = rows.contiguous()
+        rows = rows.materialize() if isinstance(rows, SendRows) else rows.contiguous()
         if out is None:
             out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
         work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
@@ -193,9 +209,14 @@ def _slots(rows: torch.Tensor, values: torch.Tensor) -> int:
     return -(-row_bytes(values) // 16) * 16 // rows.element_size()
 
 
+def packed_width(rows: torch.Tensor, values: torch.Tensor) -> int:
+    """``H + slots``: the width of packed rows for ``rows (N, H)`` and ``values (M, C)``."""
+    return rows.shape[1] + _slots(rows, values)
+
+
 def new_packed(rows: torch.Tensor, n: int, values: torch.Tensor) -> torch.Tensor:
     """An ``(n, H + slots)`` buffer of the rows' dtype for rows and ``values (M, C)``."""
-    return rows.new_empty((n, rows.shape[1] + _slots(rows, values)))
+    return rows.new_empty((n, packed_width(rows, values)))
 
 
 def value_bytes(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

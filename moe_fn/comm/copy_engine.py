@@ -2,9 +2,10 @@
 (``all_to_all_transport="copy_engine"``).
 
 The moves are the collective row all_to_all's (``moe_fn.comm.sorted_rows``): the same
-send gathers, placements and sums. Only the transfer differs. Each rank exposes its send
-rows in symmetric memory (``moe_fn.comm.peer_memory``: a copy and one device barrier), and
-every receiver pulls its rows out of each peer's buffer with one ``copy_`` per peer,
+send gathers, placements and sums. Only the transfer differs. Each rank's send gather
+writes its rows into its region of symmetric memory (``moe_fn.comm.peer_memory``; one
+device barrier publishes them), and every receiver pulls its rows out of each peer's
+region with one ``copy_`` per peer,
 which CUDA runs on a copy engine (DMA over NVLink) rather than on SMs. Beside a GEMM that
 keeps every SM such a pull was 70-90% hidden where NCCL's kernels were 39-44%, and alone
 it moved the rows ~25% faster (``bench/RESULTS.md``, issue 5). A receiver finds its rows
@@ -15,9 +16,11 @@ runs the same offsets, so CPU tests check them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .base import Pending
+from .base import Pending, SendRows
 from .peer_memory import peer_memory
 from .sorted_rows import AllToAllExchange
 
@@ -33,14 +36,18 @@ class CopyEngineRowsExchange(AllToAllExchange):
         if pulls is None:
             raise AssertionError("the copy-engine transport moves rows with a layout's "
                                  "RowPulls")
-        rows = rows.contiguous()
+        peers = peer_memory(self.group, rows.device)
+        if isinstance(rows, SendRows):  # gathered straight into this rank's region
+            width = rows.width
+            view = peers.expose_written(lambda region: rows.write(region[:rows.num_rows]),
+                                        width, rows.dtype, pulls.max_rows, None, 0,
+                                        device=rows.device)
+        else:
+            rows = rows.contiguous()
+            width = math.prod(rows.shape[1:])
+            view = peers.expose(rows.reshape(rows.shape[0], width), None, pulls.max_rows, 0)
         if out is None:
-            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        width = 1  # rows (n, ...) as (n, width)
-        for d in rows.shape[1:]:
-            width *= d
-        sent = rows.reshape(rows.shape[0], width)
-        view = peer_memory(self.group, rows.device).expose(sent, None, pulls.max_rows, 0)
+            out = torch.empty((sum(recv_splits), width), dtype=rows.dtype, device=rows.device)
         got = out.view(out.shape[0], width)
 
         def pull():
@@ -50,14 +57,14 @@ class CopyEngineRowsExchange(AllToAllExchange):
                     start = pulls.offsets[s]
                     got[at:at + n].copy_(view.rows[s][start:start + n])
                 at += n
-        if not (async_op and rows.is_cuda):
+        if not (async_op and out.is_cuda):
             pull()
             return out, None
         # On a stream of its own, so that what the caller queues next (the own rows'
         # placement) runs beside the pulls.
-        main = torch.cuda.current_stream(rows.device)
+        main = torch.cuda.current_stream(out.device)
         if getattr(self, "_pull_stream", None) is None:
-            self._pull_stream = torch.cuda.Stream(rows.device)
+            self._pull_stream = torch.cuda.Stream(out.device)
         side = self._pull_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):

@@ -30,9 +30,11 @@ from .base import (
     AllToAllTransport,
     Exchange,
     Pending,
+    SendRows,
     check_cached_tokens,
     new_packed,
     pack_rows,
+    packed_width,
     sm_count,
     unpack_rows,
     value_bytes,
@@ -91,12 +93,8 @@ class SortedRowsExchange(Exchange):
             return (kernels.gather_rows(token_rows, h.self_tokens),
                     None if weights is None else weights.index_select(0, h.flat.self_tokens))
         out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
-        if weights is None:
-            send = token_rows.index_select(0, h.remote_tokens)
-        else:
-            w = weights.reshape(-1, 1)
-            send = pack_rows(token_rows, h.remote_tokens, w, h.flat.remote_tokens,
-                             new_packed(token_rows, h.remote_tokens.numel(), w))
+        w = None if weights is None else weights.reshape(-1, 1)
+        send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
         buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
                                    pulls=h.pulls_out)
         # The weights ride in the rows' copies: each lands where its row does.
@@ -127,14 +125,10 @@ class SortedRowsExchange(Exchange):
         # in place]: one later gather puts them in (t, k) order.
         n_in = sum(h.send_splits)
         n_buf = n_in if own_in_place else h.home_order.numel()
-        if weights is None:
-            buf = expert_rows.new_empty((n_buf, *expert_rows.shape[1:]))
-            send = expert_rows.index_select(0, h.recv_dst)
-        else:
-            w = weights.reshape(-1, 1)
-            buf = new_packed(expert_rows, n_buf, w)
-            send = pack_rows(expert_rows, h.recv_dst, w, h.recv_dst,
-                             new_packed(expert_rows, h.recv_dst.numel(), w))
+        w = None if weights is None else weights.reshape(-1, 1)
+        buf = (expert_rows.new_empty((n_buf, *expert_rows.shape[1:])) if w is None
+               else new_packed(expert_rows, n_buf, w))
+        send = _send_gather(expert_rows, h.recv_dst, w, h.recv_dst)
         _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
                                  out=buf[:n_in], pulls=h.pulls_home)
         own = (expert_rows, h.self_dst) if own_in_place else ()
@@ -226,7 +220,7 @@ class SortedRowsExchange(Exchange):
         h = handle
         if h.self_dst is None:  # one rank: sorted order is expert order
             return kernels.gather_row_weight_bwd(d_out, h.self_tokens, rows, row_weights)
-        buf, work = self._exchange(d_out.index_select(0, h.remote_tokens), h.send_splits,
+        buf, work = self._exchange(_send_gather(d_out, h.remote_tokens), h.send_splits,
                                    h.recv_splits, async_op=True, pulls=h.pulls_out)
         if work is not None:
             work.wait()
@@ -280,6 +274,17 @@ class SortedRowsExchange(Exchange):
                                                    hi_out=hi_out, hi_index=hi_index)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
         return (*split_rows(d_rows, split, hi_out, hi_index), d_w)
+
+
+def _send_gather(rows, index, values=None, values_index=None) -> SendRows:
+    """``rows[index]`` (packed with ``values[values_index]`` when given) as rows to send,
+    written where the transport sends from."""
+    n = index.numel()
+    if values is None:
+        return SendRows(n, rows.shape[1], rows.dtype, rows.device,
+                        lambda out: torch.index_select(rows, 0, index, out=out))
+    return SendRows(n, packed_width(rows, values), rows.dtype, rows.device,
+                    lambda out: pack_rows(rows, index, values, values_index, out))
 
 
 def _beside_collective(t: torch.Tensor) -> int | None:

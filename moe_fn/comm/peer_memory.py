@@ -63,9 +63,10 @@ class SymmetricPeerMemory:
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:  # pragma: no cover - depends on the torch build
-            raise RuntimeError("all_to_all_transport='symm_mem' needs torch's symmetric "
-                               "memory (torch.distributed._symmetric_memory), which this "
-                               "torch build lacks: use all_to_all_transport='collective'") from e
+            raise RuntimeError("all_to_all_transport='symm_mem' or 'copy_engine' needs "
+                               "torch's symmetric memory (torch.distributed._symmetric_memory),"
+                               " which this torch build lacks: use "
+                               "all_to_all_transport='collective'") from e
         self._symm = symm_mem
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
@@ -95,7 +96,8 @@ class SymmetricPeerMemory:
             self._hdl = self._symm.rendezvous(buf, self.group)
         except RuntimeError as e:
             raise RuntimeError(
-                "all_to_all_transport='symm_mem' could not map the ranks' buffers into each "
+                "all_to_all_transport='symm_mem' or 'copy_engine' could not map the ranks' "
+                "buffers into each "
                 f"other ({e}); it needs CUDA ranks of one host with peer access (NVLink): "
                 "use all_to_all_transport='collective' elsewhere") from e
         self._buf = buf

@@ -192,11 +192,17 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
-    transport = {"all_to_all_transport": "symm_mem"} if comm == "symm_mem" else {}
+    transport = {"all_to_all_transport": comm} if comm in TRANSPORTS else {}
+    # The copy engines take no SMs: the overlap's carveout then serves only the gathers and
+    # sums (bench/RESULTS.md, issue 5).
     return dict(gate_up_impl="fused", row_weighting_impl="fused",
                 combine_impl="eager" if comm == "deepep" else "fused",
-                overlap_weight_grad=ep > 1, comm_num_sm=20, skip_recompute_combine=True,
-                **transport)
+                overlap_weight_grad=ep > 1, comm_num_sm=4 if comm == "copy_engine" else 20,
+                skip_recompute_combine=True, **transport)
+
+
+# --comm values that are the all_to_all exchange over another transport.
+TRANSPORTS = ("symm_mem", "copy_engine")
 
 
 OPTIONS_OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
@@ -231,8 +237,8 @@ def run(rank: int, world: int, args) -> int:
     runs = {}
     for name, opts, ckpt in (("all on", on, True), ("all off", OPTIONS_OFF, False)):
         model = copy.deepcopy(ref)
-        # symm_mem is the all_to_all exchange over another transport ("all on" only).
-        backend = "all_to_all" if comm == "symm_mem" else comm
+        # A transport is the all_to_all exchange moving rows another way ("all on" only).
+        backend = "all_to_all" if comm in TRANSPORTS else comm
         convert(model, process_group=group, ep_size=world,
                 **({"comm_backend": backend} if world > 1 else {}), **opts)
         if ckpt:
@@ -346,11 +352,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "backend in this process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo, default) or cuda (NCCL, one GPU per process)")
-    p.add_argument("--comm", choices=("all_to_all", "symm_mem", "deepep"),
+    p.add_argument("--comm", choices=("all_to_all", *TRANSPORTS, "deepep"),
                    default=None,
                    help="exchange for --ep 2: all_to_all (default), symm_mem (all_to_all "
                         "pulling rows from symmetric memory; on CPUs its gathering "
-                        "stand-in) or deepep (CUDA, bf16; DeepEP must be importable)")
+                        "stand-in), copy_engine (all_to_all's rows pulled by copy "
+                        "engines; the same stand-in on CPUs) or deepep (CUDA, bf16; DeepEP "
+                        "must be importable)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     p.add_argument("--batch", type=int, default=2,
                    help=f"sequences of {SEQ} tokens per process per step (default 2)")

@@ -162,8 +162,10 @@ def _body(rank, world):
         _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
                                         combine_impl=combine_impl)
     _check_order_and_failure(rank, world, all_to_all_transport="symm_mem")
-    _check_gradients_other_exchange(rank, world, all_to_all_transport="copy_engine",
-                                    combine_impl="fused")
+    for combine_impl in ("eager", "fused"):
+        _check_gradients_other_exchange(rank, world, all_to_all_transport="copy_engine",
+                                        combine_impl=combine_impl)
+    _check_order_and_failure(rank, world, all_to_all_transport="copy_engine")
 
 
 @pytest.mark.multiproc

@@ -2,16 +2,17 @@
 (``all_to_all_transport="copy_engine"``).
 
 The moves are the collective row all_to_all's (``moe_fn.comm.sorted_rows``): the same
-send gathers, placements and sums. Only the transfer differs. Each rank's send gather
-writes its rows into its region of symmetric memory (``moe_fn.comm.peer_memory``; one
-device barrier publishes them), and every receiver pulls its rows out of each peer's
-region with one ``copy_`` per peer,
-which CUDA runs on a copy engine (DMA over NVLink) rather than on SMs. Beside a GEMM that
-keeps every SM such a pull was 70-90% hidden where NCCL's kernels were 39-44%, and alone
-it moved the rows ~25% faster (``bench/RESULTS.md``, issue 5). A receiver finds its rows
-in a peer's buffer from every rank's rank-to-rank row counts, which the layout reads in
-its one host sync (``RowPulls``). On CPUs (gloo) the gathering stand-in of peer memory
-runs the same offsets, so CPU tests check them.
+send gathers, placements and sums, and the same results bit for bit. Only the transfer
+differs. Each rank's send gather writes its rows into its region of symmetric memory
+(``moe_fn.comm.peer_memory``; one device barrier publishes them), and every receiver
+pulls its rows out of each peer's region with one ``copy_`` per peer, which CUDA runs on
+a copy engine (DMA over NVLink) rather than on SMs. So the transfer needs no SMs withheld
+from the GEMMs beside it: the overlapped backward hid 72-73% of its combine at
+``comm_num_sm=4``, where the collective hides 55-58% at best; alone, the moves take about
+as long as the collective's (``bench/RESULTS.md``, issue 5). A receiver finds its rows in
+a peer's region from every rank's rank-to-rank row counts, which the layout reads in its
+one host sync (``RowPulls``). On CPUs (gloo) the gathering stand-in of peer memory runs
+the same offsets, so CPU tests check them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class CopyEngineRowsExchange(AllToAllExchange):
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
                   pulls=None):
         if pulls is None:
-            raise AssertionError("the copy-engine transport moves rows with a layout's "
-                                 "RowPulls")
+            raise RuntimeError("the copy-engine transport moves rows with a layout's "
+                               "RowPulls: this handle has none (made by another exchange?)")
         peers = peer_memory(self.group, rows.device)
         if isinstance(rows, SendRows):  # gathered straight into this rank's region
             width = rows.width
@@ -70,4 +71,5 @@ class CopyEngineRowsExchange(AllToAllExchange):
         with torch.cuda.stream(side):
             pull()
         out.record_stream(side)
-        return out, Pending(lambda: main.wait_stream(side))
+        # As NCCL's work.wait(): the stream current at the wait waits for the pulls.
+        return out, Pending(lambda: torch.cuda.current_stream(out.device).wait_stream(side))

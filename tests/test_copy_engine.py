@@ -61,11 +61,15 @@ def _body(rank, world):
         x = torch.randn(tokens[rank], H, generator=gx, dtype=torch.float64)
         w = torch.rand(tokens[rank], k, generator=gx, dtype=torch.float64)
         for fused in (False, True):
-            want, got = (_moves(cls(num_experts=e, fused_combine=fused), x, w, routes[rank],
-                                rank, 1000 * n)
-                         for cls in (AllToAllExchange, CopyEngineRowsExchange))
-            for i, (a, b) in enumerate(zip(want, got)):
-                assert torch.equal(a, b), (name, k, fused, i)
+            want = _moves(AllToAllExchange(num_experts=e, fused_combine=fused), x, w,
+                          routes[rank], rank, 1000 * n)
+            # Pulled whole, and in three parts whatever their size (parts straddle peers).
+            for parts in (1, 3):
+                ce = CopyEngineRowsExchange(num_experts=e, fused_combine=fused)
+                ce.pull_parts, ce.min_part_bytes = parts, 0
+                got = _moves(ce, x, w, routes[rank], rank, 1000 * n)
+                for i, (a, b) in enumerate(zip(want, got)):
+                    assert torch.equal(a, b), (name, k, fused, parts, i)
 
 
 @pytest.mark.multiproc

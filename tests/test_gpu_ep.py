@@ -22,11 +22,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
 H, I, E = 256, 128, 16
 
 
-def _grads(rank, world, device, dtype, tokens, transport, **kw):
+def _grads(rank, world, device, dtype, tokens, transport, parts=None, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=4,
                     comm_backend="all_to_all", ep_size=world, all_to_all_transport=transport,
                     row_weighting_impl="fused", combine_impl="fused", **kw)
     layer = MoELayer(cfg, device=device, dtype=dtype)
+    if parts is not None:  # the copy engines' pulls in this many parts, however small
+        layer.exchange.pull_parts, layer.exchange.min_part_bytes = parts, 0
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts
     with torch.no_grad():
@@ -65,9 +67,10 @@ def compare_transports(rank, world, device=None):
             ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "collective")
         want = _grads(rank, world, device, dtype, tokens, "collective", **kw)
         # The copy engines move the collective's rows: the same results bit for bit.
-        ce = _grads(rank, world, device, dtype, tokens, "copy_engine", **kw)
-        for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
-            assert torch.equal(a, b), f"copy_engine {name} {dtype} {kw} {tokens}"
+        for parts in (None, 3):
+            ce = _grads(rank, world, device, dtype, tokens, "copy_engine", parts, **kw)
+            for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
+                assert torch.equal(a, b), f"copy_engine {name} {dtype} {kw} {tokens} {parts}"
         got = _grads(rank, world, device, dtype, tokens, "symm_mem", **kw)
         for name, a, b, r in zip(["out", "x.grad", "router", "gate_up", "down"], want, got,
                                  ref64[tokens]):

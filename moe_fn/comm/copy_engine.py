@@ -26,11 +26,33 @@ from .peer_memory import peer_memory
 from .sorted_rows import AllToAllExchange
 
 
+class _Landing(Pending):
+    """Pulls queued on ``side`` in parts ``[(lo, hi, event)]`` (events None where the pulls
+    ran at once): ``wait()`` joins all of them to the stream current at the wait, as NCCL's
+    work.wait() does; ``SortedRowsExchange._landed`` joins them part by part."""
+
+    def __init__(self, parts, side=None):
+        super().__init__(lambda: None if side is None else
+                         torch.cuda.current_stream(side.device).wait_stream(side))
+        self.parts = parts
+
+
 class CopyEngineRowsExchange(AllToAllExchange):
     """One row per (token, expert), moved by copy-engine pulls from peer memory (see the
-    module)."""
+    module).
+
+    A move's received rows are pulled in up to ``pull_parts`` parts of at least
+    ``min_part_bytes``, each with its own event, so that the moves towards the experts
+    place one part's rows while the next part is in flight (``_landed``)."""
 
     pulls = True
+    pull_parts = 2
+    min_part_bytes = 16 << 20
+
+    def _parts(self, n: int, row_bytes: int) -> list:
+        parts = max(1, min(self.pull_parts, n * row_bytes // max(self.min_part_bytes, 1)))
+        step = -(-n // parts) if n else 0
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)] if n else []
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
                   pulls=None):
@@ -47,29 +69,51 @@ class CopyEngineRowsExchange(AllToAllExchange):
             rows = rows.contiguous()
             width = math.prod(rows.shape[1:])
             view = peers.expose(rows.reshape(rows.shape[0], width), None, pulls.max_rows, 0)
+        n = sum(recv_splits)
         if out is None:
-            out = torch.empty((sum(recv_splits), width), dtype=rows.dtype, device=rows.device)
+            out = torch.empty((n, width), dtype=rows.dtype, device=rows.device)
         got = out.view(out.shape[0], width)
+        ranges = self._parts(n, width * rows.dtype.itemsize)
 
-        def pull():
+        def pull(lo, hi):
+            # The part [lo, hi) of the rows received in rank order, from each peer it spans.
             at = 0
-            for s, n in enumerate(recv_splits):
-                if n:
-                    start = pulls.offsets[s]
-                    got[at:at + n].copy_(view.rows[s][start:start + n])
-                at += n
+            for s, m in enumerate(recv_splits):
+                a, b = max(lo, at), min(hi, at + m)
+                if a < b:
+                    start = pulls.offsets[s] - at
+                    got[a:b].copy_(view.rows[s][start + a:start + b])
+                at += m
         if not (async_op and out.is_cuda):
-            pull()
-            return out, None
+            for lo, hi in ranges:
+                pull(lo, hi)
+            return out, _Landing([(lo, hi, None) for lo, hi in ranges])
         # On a stream of its own, so that what the caller queues next (the own rows'
-        # placement) runs beside the pulls.
+        # placement, the landed parts' placements) runs beside the pulls.
         main = torch.cuda.current_stream(out.device)
         if getattr(self, "_pull_stream", None) is None:
             self._pull_stream = torch.cuda.Stream(out.device)
         side = self._pull_stream
         side.wait_stream(main)
+        parts = []
         with torch.cuda.stream(side):
-            pull()
+            for lo, hi in ranges:
+                pull(lo, hi)
+                parts.append((lo, hi, side.record_event()))
         out.record_stream(side)
-        # As NCCL's work.wait(): the stream current at the wait waits for the pulls.
-        return out, Pending(lambda: torch.cuda.current_stream(out.device).wait_stream(side))
+        return out, _Landing(parts, side)
+
+    def _landed(self, buf, work):
+        parts = getattr(work, "parts", None)
+        if parts is None:
+            return super()._landed(buf, work)
+        return self._land_parts(buf, work, parts)
+
+    @staticmethod
+    def _land_parts(buf, work, parts):
+        stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
+        for lo, hi, event in parts:
+            if event is not None:
+                stream.wait_event(event)
+            yield lo, hi
+        work.wait()

@@ -75,6 +75,14 @@ class SortedRowsExchange(Exchange):
     def _layout_counts(self, plan: RoutePlan):
         raise NotImplementedError
 
+    def _landed(self, buf, work):
+        """Row ranges ``[lo, hi)`` of an exchange's received ``buf``, each readable on the
+        current stream when yielded. A transport may land a move in parts, so that placing
+        one part overlaps the next one's transfer; here it is one range, after the wait."""
+        if work is not None:
+            work.wait()
+        return ((0, buf.shape[0]),)
+
     def layout(self, plan: RoutePlan) -> SortedRowsHandle:
         self.counters["layout"] += 1
         return self._layout_counts(plan)
@@ -104,12 +112,14 @@ class SortedRowsExchange(Exchange):
                           **({} if weights is None else
                              {"values": w, "values_index": h.flat.self_tokens,
                               "values_out": w_out}))
-        if work is not None:
-            work.wait()
         if weights is None:
-            return kernels.copy_rows(buf, None, out, h.recv_dst), None
-        kernels.copy_rows(buf[:, :token_rows.shape[1]], None, out, h.recv_dst,
-                          values=value_bytes(buf, w), values_out=w_out)
+            for lo, hi in self._landed(buf, work):
+                kernels.copy_rows(buf[lo:hi], None, out, h.recv_dst[lo:hi])
+            return out, None
+        rows, vals = buf[:, :token_rows.shape[1]], value_bytes(buf, w)
+        for lo, hi in self._landed(buf, work):
+            kernels.copy_rows(rows[lo:hi], None, out, h.recv_dst[lo:hi], values=vals[lo:hi],
+                              values_out=w_out)
         return out, w_out.reshape(-1)
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None,
@@ -262,9 +272,8 @@ class SortedRowsExchange(Exchange):
                                           hi_out=d_rows, hi_index=handle.self_dst)
         buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
                                    async_op=True, pulls=handle.pulls_out)
-        if work is not None:
-            work.wait()
-        kernels.copy_rows(buf, None, d_rows, handle.recv_dst)
+        for lo, hi in self._landed(buf, work):
+            kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])
         return d_rows, d_w.reshape(plan.num_tokens, k)
 
     def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None,

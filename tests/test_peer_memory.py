@@ -54,6 +54,7 @@ def memory(monkeypatch):
     m._symm, m.group, m.device, m.rank, m.size = _Symm(), None, torch.device("cpu"), 0, 2
     m._buf = m._hdl = None
     m._half, m._flip, m._flat, m._offsets, m._bytes = 0, 0, {}, {}, ()
+    m._views = {}
     return m
 
 
@@ -103,6 +104,25 @@ def test_growth_remaps_the_buffer(memory):
     assert memory._hdl is not first and first.barriers == 2  # drained, then freed
     assert len(memory._symm.allocations) == 2 and memory._half >= 300 * 8 * 4
     assert torch.equal(view.rows[0], torch.full((300, 8), 2.0))
+
+
+def test_region_views_are_reused_bounded_and_dropped_on_growth(memory):
+    """A move of one shape reuses its half's views (host time before the transfer); the
+    cache stays bounded, and growth drops views of the freed buffer."""
+    a = memory.expose(torch.ones(3, 8), None, 4, 0)
+    b = memory.expose(torch.ones(3, 8), None, 4, 0)
+    c = memory.expose(torch.full((2, 8), 3.0), None, 4, 0)
+    assert c.rows[0] is a.rows[0] and b.rows[0] is not a.rows[0]  # same half, same view
+    assert torch.equal(c.rows[0][:2], torch.full((2, 8), 3.0))
+    for n in range(1, 100):  # many shapes: the cache never holds more than 64
+        memory.expose(torch.ones(1, 8), None, n % 40 + 1, 0)
+        assert len(memory._views) <= 64
+    big = memory.expose(torch.full((300, 8), 2.0), None, 300, 0)
+    assert len(memory._views) == 1 and torch.equal(big.rows[0], torch.full((300, 8), 2.0))
+    again = memory.expose(torch.ones(3, 8), None, 4, 0)  # a shape seen before growth
+    new_buf = memory._symm.bufs[0]
+    start = again.rows[0].data_ptr() - new_buf.data_ptr()
+    assert 0 <= start < new_buf.numel()  # a view of the new buffer, not the freed one
 
 
 def test_written_exposures_fill_their_region_in_place(memory):

@@ -96,10 +96,15 @@ class CopyEngineRowsExchange(AllToAllExchange):
         side = self._pull_stream
         side.wait_stream(main)
         parts = []
-        with torch.cuda.stream(side):
+        # set_stream rather than the stream context: fewer host microseconds before the
+        # transfer starts.
+        torch.cuda.set_stream(side)
+        try:
             for lo, hi in ranges:
                 pull(lo, hi)
                 parts.append((lo, hi, side.record_event()))
+        finally:
+            torch.cuda.set_stream(main)
         out.record_stream(side)
         return out, _Landing(parts, side)
 

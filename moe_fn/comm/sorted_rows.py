@@ -100,11 +100,12 @@ class SortedRowsExchange(Exchange):
         if h.self_dst is None:  # one rank: sorted order is expert order
             return (kernels.gather_rows(token_rows, h.self_tokens),
                     None if weights is None else weights.index_select(0, h.flat.self_tokens))
-        out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
         buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
                                    pulls=h.pulls_out)
+        # Allocated once the transfer is queued: from an idle GPU it starts sooner.
+        out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
         # The weights ride in the rows' copies: each lands where its row does.
         w_out = None if weights is None else weights.new_empty((h.num_rows, 1))
         kernels.copy_rows(token_rows, h.self_tokens, out, h.self_dst,

@@ -7,7 +7,8 @@
 2. The Qwen3-30B-A3B layer (H 2048, I 768, E 128, top-8, bf16, --tokens per rank):
    - layer forward and backward per backend;
    - exchange throughput: permute + exchange + unpermute against raw all_to_all_single of
-     the same payload, and DeepEP dispatch/combine;
+     the same payload, and DeepEP dispatch/combine; for the row all_to_alls also from a
+     busy GPU (the moves' GPU time, the host's launches queued ahead);
    - recompute (issue 4): forward + checkpointed recompute + backward with the combine skip
      on and off; fresh dispatch (layout + dispatch) against a cached one; the forward combine;
      a profiler table of the kernels whose time differs most between skip off and on;
@@ -45,11 +46,16 @@ def say(*a):
         print(*a, flush=True)
 
 
-def time_once(fn):
-    """One ranks-synchronised CUDA-event timing of ``fn()``: the max over ranks, in ms."""
+def time_once(fn, busy_cycles=0):
+    """One ranks-synchronised CUDA-event timing of ``fn()``: the max over ranks, in ms.
+    With ``busy_cycles`` the GPU first sleeps that long, so that the host has queued
+    ``fn``'s work before the clock starts (as when other layers' work runs ahead): the
+    time the GPU takes, without waiting for the host."""
     torch.cuda.synchronize()
     dist.barrier()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if busy_cycles:
+        torch.cuda._sleep(busy_cycles)
     s.record()
     fn()
     e.record()
@@ -59,11 +65,11 @@ def time_once(fn):
     return t.item()
 
 
-def timed(fn, reps=20, warmup=5):
-    """Median ms of ``time_once(fn)`` after warm-up."""
+def timed(fn, reps=20, warmup=5, busy_cycles=0):
+    """Median ms of ``time_once(fn, busy_cycles)`` after warm-up."""
     for _ in range(warmup):
         fn()
-    return statistics.median(time_once(fn) for _ in range(reps))
+    return statistics.median(time_once(fn, busy_cycles) for _ in range(reps))
 
 
 ONLY_BACKENDS = None  # --backends: a subset to run
@@ -216,6 +222,12 @@ def layer_bench(have_deepep, results, tokens, reps):
                               row_w if fold_w else None, needs_grad)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
+            # The same from a busy GPU (1 ms queued first): the moves' GPU time, where the
+            # host's launches do not hold them up (this project's hosts are slow enough
+            # that an idle start waits for them).
+            busy = _sleep_cycles(1.0)
+            t_cached_busy, t_comb_busy = timed(cached, reps, busy_cycles=busy), timed(
+                combine, reps, busy_cycles=busy)
             no_grad = {}
             if home_w:
                 # Without a backward to come (a reentrant checkpoint's first forward) the
@@ -239,7 +251,8 @@ def layer_bench(have_deepep, results, tokens, reps):
         row = {"fresh_dispatch_ms": t_fresh, "cached_dispatch_ms": t_cached,
                "combine_ms": t_comb, "cached_speedup": t_fresh / t_cached,
                "rows_per_rank": rows.shape[0], "dispatch_gbs": payload / t_cached / 1e6,
-               "combine_gbs": payload / t_comb / 1e6, **no_grad}
+               "combine_gbs": payload / t_comb / 1e6, **no_grad,
+               "cached_dispatch_busy_ms": t_cached_busy, "combine_busy_ms": t_comb_busy}
         if backend.startswith("all_to_all"):
             # Raw all_to_all_single of the (token, expert) rows this route moves between
             # ranks (what crosses NVLink row by row), and of every row including each
@@ -259,9 +272,13 @@ def layer_bench(have_deepep, results, tokens, reps):
                 def raw():
                     dist.all_to_all_single(recv, send, list(rs), list(ss))
                 t_raw = timed(raw, reps)
+                t_raw_busy = timed(raw, reps, busy_cycles=busy)
                 row[f"{name}_all_to_all_ms"] = t_raw
+                row[f"{name}_all_to_all_busy_ms"] = t_raw_busy
                 row[f"dispatch_vs_{name}"] = t_raw / t_cached
                 row[f"combine_vs_{name}"] = t_raw / t_comb
+                row[f"dispatch_busy_vs_{name}"] = t_raw_busy / t_cached_busy
+                row[f"combine_busy_vs_{name}"] = t_raw_busy / t_comb_busy
                 for key in no_grad:
                     row[f"{key[:-3]}_vs_{name}"] = t_raw / no_grad[key]
         results["exchange"][backend] = row

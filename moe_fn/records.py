@@ -42,12 +42,9 @@ class RoutePlan:
 class RowPulls:
     """Where a rank's rows sit in its peers' send buffers, for a transport whose receiver
     pulls them (the copy engines): ``offsets[s]``, the first row peer s sends this rank;
-    ``totals[s]``, the rows peer s sends in all (its buffer's filled rows, which it
-    publishes in parts); ``max_rows``, the most rows any rank sends (every rank's buffer
-    region that tall)."""
+    ``max_rows``, the most rows any rank sends (every rank's buffer region that tall)."""
 
     offsets: tuple[int, ...]
-    totals: tuple[int, ...]
     max_rows: int
 
 

@@ -76,35 +76,3 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_copy_engine_moves_equal_the_collective(world):
     run_distributed(_body, world)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_pull_schedule_reads_each_row_once_from_its_published_part(seed):
-    """Each received row is pulled once, from where its peer wrote it, in the round that
-    published it, inside one landing range; pulls are issued round by round."""
-    from moe_fn.comm.copy_engine import part_bounds, pull_schedule
-
-    g = torch.Generator().manual_seed(seed)
-    ep = int(torch.randint(2, 6, (1,), generator=g))
-    me = int(torch.randint(0, ep, (1,), generator=g))
-    m = torch.randint(0, 9, (ep, ep), generator=g) * (torch.rand(ep, ep, generator=g) > 0.2)
-    m.fill_diagonal_(0)
-    m = m.tolist()  # m[s][d]: rows s sends d, in d order in s's region
-    recv = [m[s][me] for s in range(ep)]
-    offsets = [sum(m[s][:me]) for s in range(ep)]
-    sender_parts = [part_bounds(sum(m[s]), int(torch.randint(1, 4, (1,), generator=g)))
-                    for s in range(ep)]
-    ranges = part_bounds(sum(recv), int(torch.randint(1, 4, (1,), generator=g)))
-    pieces = pull_schedule(recv, offsets, sender_parts, ranges)
-    assert [p[0] for p in pieces] == sorted(p[0] for p in pieces)
-    seen = torch.zeros(sum(recv), dtype=torch.long)
-    starts = [sum(recv[:s]) for s in range(ep)]
-    for q, lo, hi, s, start, r in pieces:
-        assert 0 <= lo < hi and ranges[r][0] <= lo and hi <= ranges[r][1]
-        assert start == offsets[s] + lo - starts[s]  # where s wrote these rows
-        assert lo >= starts[s] and hi <= starts[s] + recv[s]  # all from peer s
-        plo, phi = sender_parts[s][q]
-        assert plo <= start and start + hi - lo <= phi  # published by round q
-        seen[lo:hi] += 1
-    assert bool((seen == 1).all())
-    assert part_bounds(0, 3) == [] and part_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]

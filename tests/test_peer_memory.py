@@ -125,19 +125,6 @@ def test_region_views_are_reused_bounded_and_dropped_on_growth(memory):
     assert 0 <= start < new_buf.numel()  # a view of the new buffer, not the freed one
 
 
-def test_open_region_publishes_parts_with_a_barrier_each(memory):
-    region, publish = memory.open_region(8, torch.float32, 6)
-    region[:2] = 1.0
-    rows = publish()
-    assert memory._hdl.barriers == 1 and rows[0].data_ptr() == region.data_ptr()
-    region[2:5] = 2.0  # the next part, into the same half
-    assert publish() is rows and memory._hdl.barriers == 2
-    assert torch.equal(rows[0][:5, 0], torch.tensor([1.0, 1, 2, 2, 2]))
-    assert rows[1].data_ptr() - rows[0].data_ptr() == memory._bytes[1]
-    nxt, _ = memory.open_region(8, torch.float32, 6)  # the next move: the other half
-    assert nxt.data_ptr() != region.data_ptr()
-
-
 def test_written_exposures_fill_their_region_in_place(memory):
     seen = []
 

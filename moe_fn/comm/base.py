@@ -155,19 +155,18 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class SendRows(NamedTuple):
-    """Rows to send, not yet written: ``write(out, lo, hi)`` fills rows ``[lo, hi)`` of
-    ``out (num_rows, width)``, so that a transport can have them written where it sends
-    from, in parts (``materialize()`` writes a tensor of them at once)."""
+    """Rows to send, not yet written: ``write(out)`` fills ``out (num_rows, width)``, so that
+    a transport can have them written where it sends from (``materialize()`` otherwise)."""
 
     num_rows: int
     width: int
     dtype: torch.dtype
     device: torch.device
-    write: Callable[[torch.Tensor, int, int], Any]
+    write: Callable[[torch.Tensor], Any]
 
     def materialize(self) -> torch.Tensor:
         out = torch.empty((self.num_rows, self.width), dtype=self.dtype, device=self.device)
-        self.write(out, 0, self.num_rows)
+        self.write(out)
         return out
 
 

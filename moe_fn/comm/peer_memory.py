@@ -186,19 +186,6 @@ class SymmetricPeerMemory:
         write(peer_rows[self.rank])
         return self._publish(peer_rows, peer_vals, values, dtype, vdtype)
 
-    def open_region(self, width: int, dtype, max_rows: int, device=None):
-        """This rank's ``(max_rows, width)`` region of the next half, to be written in parts,
-        and ``publish()``: a barrier after which what every rank wrote so far is readable;
-        it returns every rank's region. Every rank calls ``publish`` as many times (at least
-        once)."""
-        peer_rows, _ = self._regions(width, dtype, max_rows, torch.uint8, 0, rows=True,
-                                     values=False)
-
-        def publish():
-            self._hdl.barrier(channel=0)
-            return peer_rows
-        return peer_rows[self.rank], publish
-
 
 class GatheredPeerMemory:
     """The CPU stand-in: every rank's exposed tensors, padded to the agreed sizes,
@@ -226,10 +213,6 @@ class GatheredPeerMemory:
         region = torch.zeros((max_rows, width), dtype=dtype, device=device)
         write(region)
         return self.expose(region, values, max_rows, max_values)
-
-    def open_region(self, width: int, dtype, max_rows: int, device=None):
-        region = torch.zeros((max_rows, width), dtype=dtype, device=device)
-        return region, lambda: self.expose(region, None, max_rows, 0).rows
 
 
 _SHARED: dict = {}

@@ -290,16 +290,11 @@ def _send_gather(rows, index, values=None, values_index=None) -> SendRows:
     """``rows[index]`` (packed with ``values[values_index]`` when given) as rows to send,
     written where the transport sends from."""
     n = index.numel()
-
-    def part(t, lo, hi):  # whole when whole: no slicing on the collective's path
-        return t if t is None or (lo == 0 and hi == n) else t[lo:hi]
     if values is None:
         return SendRows(n, rows.shape[1], rows.dtype, rows.device,
-                        lambda out, lo, hi: torch.index_select(rows, 0, part(index, lo, hi),
-                                                               out=out[lo:hi]))
+                        lambda out: torch.index_select(rows, 0, index, out=out))
     return SendRows(n, packed_width(rows, values), rows.dtype, rows.device,
-                    lambda out, lo, hi: pack_rows(rows, part(index, lo, hi), values,
-                                                  part(values_index, lo, hi), out[lo:hi]))
+                    lambda out: pack_rows(rows, index, values, values_index, out))
 
 
 def _beside_collective(t: torch.Tensor) -> int | None:
@@ -346,12 +341,10 @@ def _row_pulls(rank_rows: list, ep: int, me: int) -> dict:
     ranks in rank order: towards the experts, rank s's rows for d; home, the rows rank s
     received from d."""
     m = [[0 if s == d else rank_rows[s * ep + d] for d in range(ep)] for s in range(ep)]
-    out_totals = tuple(sum(row) for row in m)
-    home_totals = tuple(sum(m[d][s] for d in range(ep)) for s in range(ep))
-    out = RowPulls(offsets=tuple(sum(m[s][:me]) for s in range(ep)), totals=out_totals,
-                   max_rows=max(out_totals))
+    out = RowPulls(offsets=tuple(sum(m[s][:me]) for s in range(ep)),
+                   max_rows=max(sum(row) for row in m))
     home = RowPulls(offsets=tuple(sum(m[d][s] for d in range(me)) for s in range(ep)),
-                    totals=home_totals, max_rows=max(home_totals))
+                    max_rows=max(sum(m[d][s] for d in range(ep)) for s in range(ep)))
     return {"pulls_out": out, "pulls_home": home}
 
 

@@ -632,8 +632,9 @@ def serial_pieces_in_place(layer, x, dy, reps):
 
 
 # Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem transport's
-# pulls and barriers, and copy-engine copies (the copy_engine transport).
-_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier", "Memcpy")
+# pulls and barriers, and copy-engine peer copies (the copy_engine transport); lower
+# case, as the names they are matched against.
+_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier", "memcpy ptop")
 
 
 def trace_overlap(layer, x, dy, results, backend):

@@ -76,3 +76,26 @@ def _body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_copy_engine_moves_equal_the_collective(world):
     run_distributed(_body, world)
+
+
+def test_landing_joins_every_pull_even_when_a_placement_raises():
+    """The next move overwrites the half these pulls read: whatever happens while the parts
+    are placed, the pulls are joined before the move returns."""
+    from moe_fn.comm.base import Pending
+    from moe_fn.comm.copy_engine import CopyEngineRowsExchange
+
+    joined = []
+    work = Pending(lambda: joined.append(True))
+    work.parts = [(0, 2, None), (2, 4, None)]
+    ex = CopyEngineRowsExchange.__new__(CopyEngineRowsExchange)
+
+    def place_all():
+        for lo, _ in ex._landed(torch.zeros(4, 1), work):
+            if lo == 2:
+                raise RuntimeError("placement failed")
+    with pytest.raises(RuntimeError, match="placement failed"):
+        place_all()
+    assert joined == [True]
+    done = Pending(lambda: joined.append("all"))
+    done.parts = [(0, 4, None)]
+    assert list(ex._landed(torch.zeros(4, 1), done)) == [(0, 4)] and joined[-1] == "all"

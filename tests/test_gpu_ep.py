@@ -1,8 +1,8 @@
-"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem and copy_engine
-transports over real symmetric memory and NCCL against the collective all_to_all on the
-same model — plain,
-with the weight-gradient overlap, under the reentrant checkpoint with the combine skip —
-and across a buffer growth and a release. Run with both GPUs visible:
+"""Two-GPU checks (skipped with fewer than two GPUs): the copy_engine transport (bit for
+bit) and the symm_mem transport (to rounding) over real symmetric memory against the
+collective all_to_all over NCCL on the same model — plain, with the weight-gradient
+overlap, under the reentrant checkpoint with the combine skip — and across a buffer
+growth and a release. Run with both GPUs visible:
 ``python -m pytest tests/test_gpu_ep.py``."""
 
 from __future__ import annotations
@@ -22,13 +22,29 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
 H, I, E = 256, 128, 16
 
 
-def _grads(rank, world, device, dtype, tokens, transport, parts=None, **kw):
+def _lag_pulls(ex, device, cycles=2_000_000):
+    """Every move's pulls queued behind ~1 ms of sleep on the pull stream, so that a read of
+    the received rows not ordered after them (a missing event wait) reads stale memory."""
+    real = ex._exchange
+
+    def lagging(*a, **kw):
+        if getattr(ex, "_pull_stream", None) is None:
+            ex._pull_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(ex._pull_stream):
+            torch.cuda._sleep(cycles)
+        return real(*a, **kw)
+    ex._exchange = lagging
+
+
+def _grads(rank, world, device, dtype, tokens, transport, parts=None, lag=False, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=4,
                     comm_backend="all_to_all", ep_size=world, all_to_all_transport=transport,
                     row_weighting_impl="fused", combine_impl="fused", **kw)
     layer = MoELayer(cfg, device=device, dtype=dtype)
     if parts is not None:  # the copy engines' pulls in this many parts, however small
         layer.exchange.pull_parts, layer.exchange.min_part_bytes = parts, 0
+    if lag:
+        _lag_pulls(layer.exchange, device)
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts
     with torch.no_grad():
@@ -49,10 +65,11 @@ def _grads(rank, world, device, dtype, tokens, transport, parts=None, **kw):
 
 
 def compare_transports(rank, world, device=None):
-    """symm_mem against collective; ``device`` defaults to this rank's GPU. The two sum in
-    other orders (a token's rows per rank first, then the ranks' float32 partials; the
-    routing weights' gradient as a dot product on the expert side), so every result is held
-    to the kernel rule against a float64 run of the collective: symm_mem's error at most
+    """copy_engine and symm_mem against collective; ``device`` defaults to this rank's GPU.
+    The copy engines move the collective's rows: every result equal bit for bit. symm_mem
+    sums in other orders (a token's rows per rank first, then the ranks' float32 partials;
+    the routing weights' gradient as a dot product on the expert side), so its results are
+    held to the kernel rule against a float64 run of the collective: its error at most
     twice the collective's plus one step of the dtype; the experts' gradients are
     identical."""
     device = device or torch.device("cuda", rank)
@@ -67,10 +84,13 @@ def compare_transports(rank, world, device=None):
             ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "collective")
         want = _grads(rank, world, device, dtype, tokens, "collective", **kw)
         # The copy engines move the collective's rows: the same results bit for bit.
-        for parts in (None, 3):
-            ce = _grads(rank, world, device, dtype, tokens, "copy_engine", parts, **kw)
+        # Pulled whole, in three parts however small, and in parts whose pulls lag behind
+        # the host by a sleep on their stream (the reads must wait for them).
+        for parts, lag in ((None, False), (3, False), (3, True)):
+            ce = _grads(rank, world, device, dtype, tokens, "copy_engine", parts, lag, **kw)
             for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
-                assert torch.equal(a, b), f"copy_engine {name} {dtype} {kw} {tokens} {parts}"
+                assert torch.equal(a, b), (f"copy_engine {name} {dtype} {kw} {tokens} "
+                                           f"{parts} {lag}")
         got = _grads(rank, world, device, dtype, tokens, "symm_mem", **kw)
         for name, a, b, r in zip(["out", "x.grad", "router", "gate_up", "down"], want, got,
                                  ref64[tokens]):

@@ -114,6 +114,13 @@ def test_region_views_are_reused_bounded_and_dropped_on_growth(memory):
     c = memory.expose(torch.full((2, 8), 3.0), None, 4, 0)
     assert c.rows[0] is a.rows[0] and b.rows[0] is not a.rows[0]  # same half, same view
     assert torch.equal(c.rows[0][:2], torch.full((2, 8), 3.0))
+    # Another dtype, width or height in the same half: views of their own.
+    for rows, max_rows in ((torch.ones(3, 8, dtype=torch.float64), 4), (torch.ones(3, 4), 4),
+                           (torch.ones(3, 8), 5)):
+        memory.expose(torch.ones(1, 8), None, 4, 0)  # back to the first half
+        v = memory.expose(rows, None, max_rows, 0)
+        assert v.rows[0].dtype == rows.dtype and v.rows[0].shape == (max_rows, rows.shape[1])
+        assert torch.equal(v.rows[0][:3], rows)
     for n in range(1, 100):  # many shapes: the cache never holds more than 64
         memory.expose(torch.ones(1, 8), None, n % 40 + 1, 0)
         assert len(memory._views) <= 64

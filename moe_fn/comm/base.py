@@ -192,7 +192,7 @@ class AllToAllTransport:
         return c.view(self.ep_size, -1)
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
-                  pulls=None):
+                  pulls=None, in_parts=False):
         rows = rows.materialize() if isinstance(rows, SendRows) else rows.contiguous()
         if out is None:
             out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))

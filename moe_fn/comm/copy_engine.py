@@ -31,7 +31,7 @@ from .sorted_rows import AllToAllExchange
 class _Landing(Pending):
     """Pulls queued on ``side`` in parts ``[(lo, hi, event)]`` (events None where the pulls
     ran at once): ``wait()`` joins all of them to the stream current at the wait, as NCCL's
-    work.wait() does; ``SortedRowsExchange._landed`` joins them part by part."""
+    work.wait() does; ``CopyEngineRowsExchange._landed`` joins them part by part."""
 
     def __init__(self, parts, side=None):
         super().__init__(lambda: None if side is None else
@@ -43,9 +43,11 @@ class CopyEngineRowsExchange(AllToAllExchange):
     """One row per (token, expert), moved by copy-engine pulls from peer memory (see the
     module).
 
-    A move's received rows are pulled in up to ``pull_parts`` parts of at least
-    ``min_part_bytes``, each with its own event, so that the moves towards the experts
-    place one part's rows while the next part is in flight (``_landed``)."""
+    The moves towards the experts, which place their received rows where they belong, have
+    them pulled in up to ``pull_parts`` parts of about ``min_part_bytes`` or more (parts of
+    ``ceil(rows / parts)`` rows), each with its own event, so that one part is placed while
+    the next is in flight (``_landed``); the moves home, which sum them once all have
+    arrived, pull them whole."""
 
     pulls = True
     pull_parts = 2
@@ -57,7 +59,7 @@ class CopyEngineRowsExchange(AllToAllExchange):
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)] if n else []
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
-                  pulls=None):
+                  pulls=None, in_parts=False):
         if pulls is None:
             raise RuntimeError("the copy-engine transport moves rows with a layout's "
                                "RowPulls: this handle has none (made by another exchange?)")
@@ -75,7 +77,8 @@ class CopyEngineRowsExchange(AllToAllExchange):
         if out is None:
             out = torch.empty((n, width), dtype=rows.dtype, device=rows.device)
         got = out.view(out.shape[0], width)
-        ranges = self._parts(n, width * rows.dtype.itemsize)
+        ranges = (self._parts(n, width * rows.dtype.itemsize) if in_parts
+                  else [(0, n)] if n else [])
 
         def pull(lo, hi):
             # The part [lo, hi) of the rows received in rank order, from each peer it spans.
@@ -99,7 +102,8 @@ class CopyEngineRowsExchange(AllToAllExchange):
         side.wait_stream(main)
         parts = []
         # set_stream rather than the stream context: fewer host microseconds before the
-        # transfer starts.
+        # transfer starts. It also makes the stream's device current: restored after.
+        device = torch.cuda.current_device()
         torch.cuda.set_stream(side)
         try:
             for lo, hi in ranges:
@@ -107,6 +111,8 @@ class CopyEngineRowsExchange(AllToAllExchange):
                 parts.append((lo, hi, side.record_event()))
         finally:
             torch.cuda.set_stream(main)
+            if device != main.device_index:
+                torch.cuda.set_device(device)
         out.record_stream(side)
         return out, _Landing(parts, side)
 
@@ -119,8 +125,10 @@ class CopyEngineRowsExchange(AllToAllExchange):
     @staticmethod
     def _land_parts(buf, work, parts):
         stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
-        for lo, hi, event in parts:
-            if event is not None:
-                stream.wait_event(event)
-            yield lo, hi
-        work.wait()
+        try:
+            for lo, hi, event in parts:
+                if event is not None:
+                    stream.wait_event(event)
+                yield lo, hi
+        finally:  # every pull joined, even if a placement raised (the next move's half)
+            work.wait()

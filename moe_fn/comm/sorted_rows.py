@@ -69,7 +69,12 @@ class SortedRowsExchange(Exchange):
     home_weighting = True
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
-                  pulls=None):
+                  pulls=None, in_parts=False):
+        """Rows (a tensor or ``SendRows``) sent by ``send_splits`` and received by
+        ``recv_splits`` into ``out`` (or a new tensor): ``(received, work)``, ``work`` None
+        or what to wait on. ``pulls``: the layout's ``RowPulls`` (pulling transports);
+        ``in_parts``: the caller reads the received rows range by range (``_landed``), so
+        the transport may land them in parts."""
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
@@ -103,7 +108,7 @@ class SortedRowsExchange(Exchange):
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
         buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
-                                   pulls=h.pulls_out)
+                                   pulls=h.pulls_out, in_parts=True)
         # Allocated once the transfer is queued: from an idle GPU it starts sooner.
         out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
         # The weights ride in the rows' copies: each lands where its row does.
@@ -272,7 +277,8 @@ class SortedRowsExchange(Exchange):
                                           split=flat.remote_tokens.numel(),
                                           hi_out=d_rows, hi_index=handle.self_dst)
         buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
-                                   async_op=True, pulls=handle.pulls_out)
+                                   async_op=True, pulls=handle.pulls_out,
+                                   in_parts=True)
         for lo, hi in self._landed(buf, work):
             kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])
         return d_rows, d_w.reshape(plan.num_tokens, k)
@@ -315,7 +321,7 @@ class LocalExchange(SortedRowsExchange):
         self.fused_combine = fused_combine
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
-                  pulls=None):
+                  pulls=None, in_parts=False):
         raise AssertionError("the local exchange moves nothing between ranks")
 
     def _layout_counts(self, plan):

@@ -272,24 +272,31 @@ class SortedRowsExchange(Exchange):
         flat = handle.flat
         pos_to_row = torch.cat([flat.remote_tokens, flat.self_tokens])
         d_rows = src.new_empty((handle.num_rows, src.shape[1]))
-        # The own rows' gradients land straight at their expert-major places.
-        send, _, d_w = self._weighted_bwd(d_out, src, pos_to_row, w, k,
-                                          split=flat.remote_tokens.numel(),
-                                          hi_out=d_rows, hi_index=handle.self_dst)
-        buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
-                                   async_op=True, pulls=handle.pulls_out,
-                                   in_parts=True)
+        split = flat.remote_tokens.numel()
+        d_ws = []
+
+        def write(out):
+            # One pass: the remote rows' gradients where the transport sends from, the own
+            # rows' straight at their expert-major places.
+            d_ws.append(self._weighted_bwd(d_out, src, pos_to_row, w, k, split=split,
+                                           hi_out=d_rows, hi_index=handle.self_dst,
+                                           lo_out=out)[2])
+        buf, work = self._exchange(SendRows(split, src.shape[1], src.dtype, src.device, write),
+                                   handle.send_splits, handle.recv_splits, async_op=True,
+                                   pulls=handle.pulls_out, in_parts=True)
+        d_w, = d_ws
         for lo, hi in self._landed(buf, work):
             kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])
         return d_rows, d_w.reshape(plan.num_tokens, k)
 
     def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None,
-                      hi_index=None):
+                      hi_index=None, lo_out=None):
         if self.fused_combine:
             return kernels.weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k, split=split,
-                                                   hi_out=hi_out, hi_index=hi_index)
+                                                   hi_out=hi_out, hi_index=hi_index,
+                                                   lo_out=lo_out)
         d_rows, d_w = weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k)
-        return (*split_rows(d_rows, split, hi_out, hi_index), d_w)
+        return (*split_rows(d_rows, split, hi_out, hi_index, lo_out), d_w)
 
 
 def _send_gather(rows, index, values=None, values_index=None) -> SendRows:

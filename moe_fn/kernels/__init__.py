@@ -231,10 +231,12 @@ def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index, val
 
 
 def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
-                            split: int | None = None, hi_out=None, hi_index=None):
+                            split: int | None = None, hi_out=None, hi_index=None,
+                            lo_out=None):
     """The weighted combine's backward in one pass (see
     ``moe_fn.pure.dispatch.weighted_gather_sum_bwd``), its row gradients split at ``split``:
-    returns ``(lo (split, H), hi, d_weights)``, ``hi`` being the rows from ``split`` on
+    returns ``(lo (split, H), hi, d_weights)``, ``lo`` written into ``lo_out`` when given
+    (e.g. where a transport sends from), ``hi`` being the rows from ``split`` on
     (``(P - split, H)``) or ``hi_out`` when given, which receives them in order or, given
     ``hi_index``, at the rows it names. Not an op: the exchanges that call it run
     eagerly."""
@@ -242,10 +244,11 @@ def weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
         from .gather_sum import launch_weighted_gather_sum_bwd
 
         return launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k,
-                                              split=split, hi_out=hi_out, hi_index=hi_index)
+                                              split=split, hi_out=hi_out, hi_index=hi_index,
+                                              lo_out=lo_out)
     d_rows, d_w = _pure_dispatch.weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights,
                                                          top_k)
-    return (*_pure_dispatch.split_rows(d_rows, split, hi_out, hi_index), d_w)
+    return (*_pure_dispatch.split_rows(d_rows, split, hi_out, hi_index, lo_out), d_w)
 
 
 def _use_layout_kernel(topk_idx) -> bool:

@@ -201,18 +201,20 @@ def _weighted_gather_sum_bwd_kernel(d_out_ptr, rows_ptr, pos_to_row_ptr, w_ptr, 
 
 
 def launch_weighted_gather_sum_bwd(d_out, rows, pos_to_row, weights, top_k: int, *,
-                                   split: int | None = None, hi_out=None, hi_index=None):
+                                   split: int | None = None, hi_out=None, hi_index=None,
+                                   lo_out=None):
     """``d_rows[p] = w[r] * d_out[r // k]`` and ``d_w[r] = <d_out[r // k], rows[p]>`` for
-    ``r = pos_to_row[p]``. Rows ``p < split`` land in a new ``(split, H)`` tensor, the rest
-    in ``hi_out`` (``(P - split, H)``; new when None) or, given ``hi_index``, row ``p`` at
-    ``hi_out[hi_index[p - split]]`` of a ``hi_out`` of any length. Returns ``(lo, hi,
-    d_w)``, ``hi`` being ``hi_out`` when given."""
+    ``r = pos_to_row[p]``. Rows ``p < split`` land in ``lo_out`` (``(split, H)``, its
+    columns contiguous; new when None), the rest in ``hi_out`` (``(P - split, H)``; new
+    when None) or, given ``hi_index``, row ``p`` at ``hi_out[hi_index[p - split]]`` of a
+    ``hi_out`` of any length. Returns ``(lo, hi, d_w)``, ``lo`` / ``hi`` being ``lo_out``
+    / ``hi_out`` when given."""
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     p, h = rows.shape
     split = p if split is None else split
-    lo = rows.new_empty((split, h))
-    check_split_rows_args(p, split, hi_out, hi_index)
+    check_split_rows_args(p, split, hi_out, hi_index, lo_out, like=rows)
+    lo = rows.new_empty((split, h)) if lo_out is None else lo_out
     hi = rows.new_empty((p - split, h)) if hi_out is None else hi_out
     d_w = torch.empty(p, dtype=weights.dtype, device=rows.device)
     if p == 0:

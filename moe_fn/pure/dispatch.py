@@ -340,9 +340,21 @@ def gather_sum_own(rows, index, top_k: int, weights=None, *, own, own_index, val
     return weighted_gather_sum_fwd(every, index, weights, top_k)[0]
 
 
-def check_split_rows_args(num_rows: int, split: int, hi_out, hi_index) -> None:
+def check_split_rows_args(num_rows: int, split: int, hi_out, hi_index, lo_out=None, *,
+                          like=None) -> None:
     """Where rows from ``split`` on go: a new tensor, ``hi_out`` in order (its first
-    ``num_rows - split`` rows), or ``hi_out`` at the rows ``hi_index`` names."""
+    ``num_rows - split`` rows), or ``hi_out`` at the rows ``hi_index`` names; rows before
+    ``split``: a new tensor or ``lo_out``, ``(split, H)`` with contiguous columns, of
+    ``like``'s dtype, width and device when given."""
+    if lo_out is not None:
+        if lo_out.dim() != 2 or lo_out.shape[0] != split or lo_out.stride(-1) != 1:
+            raise ValueError(f"lo_out must be ({split}, H) with contiguous columns, got "
+                             f"{tuple(lo_out.shape)} with strides {lo_out.stride()}")
+        if like is not None and (lo_out.dtype != like.dtype or lo_out.device != like.device
+                                 or lo_out.shape[1] != like.shape[1]):
+            raise ValueError(f"lo_out ({lo_out.dtype}, {lo_out.shape[1]} wide, on "
+                             f"{lo_out.device}) must match the rows ({like.dtype}, "
+                             f"{like.shape[1]} wide, on {like.device})")
     n_hi = num_rows - split
     if hi_index is not None and hi_out is None:
         raise ValueError("hi_index needs hi_out")
@@ -354,17 +366,19 @@ def check_split_rows_args(num_rows: int, split: int, hi_out, hi_index) -> None:
                          f"{hi_out.shape[0]}")
 
 
-def split_rows(rows, split: int | None, hi_out=None, hi_index=None):
+def split_rows(rows, split: int | None, hi_out=None, hi_index=None, lo_out=None):
     """``(rows[:split], rows[split:])``; given ``hi_out``, the second part is copied into it
-    (at its rows ``hi_index`` when that is given too) and ``hi_out`` is returned instead:
-    the layout the fused weighted-combine backward writes directly."""
+    (at its rows ``hi_index`` when that is given too) and ``hi_out`` is returned instead,
+    and given ``lo_out`` the first part likewise: the layout the fused weighted-combine
+    backward writes directly."""
     split = rows.shape[0] if split is None else split
-    check_split_rows_args(rows.shape[0], split, hi_out, hi_index)
+    check_split_rows_args(rows.shape[0], split, hi_out, hi_index, lo_out, like=rows)
+    lo = rows[:split] if lo_out is None else lo_out.copy_(rows[:split])
     if hi_out is None:
-        return rows[:split], rows[split:]
+        return lo, rows[split:]
     if hi_index is None:
-        return rows[:split], hi_out.copy_(rows[split:])
-    return rows[:split], hi_out.index_copy_(0, hi_index.long(), rows[split:])
+        return lo, hi_out.copy_(rows[split:])
+    return lo, hi_out.index_copy_(0, hi_index.long(), rows[split:])
 
 
 def check_copy_rows_args(src, index, out, out_index, values=None, values_index=None,

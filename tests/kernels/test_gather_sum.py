@@ -169,6 +169,34 @@ def test_weighted_bwd_writes_into_the_given_tail():
         assert not tail[:5].any()
 
 
+def test_weighted_bwd_writes_the_head_where_it_is_given():
+    """``lo_out``: the rows before ``split`` written into a given (row-strided) view, as
+    into a transport's send region; wrong shapes refused."""
+    rows, index, w = _weighted_case(4, 2, 16, torch.float32)
+    d = torch.randn(4, 16)
+    pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
+    full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
+    region = torch.full((6, 20), -1.0, device=DEV)  # wider rows: a strided view
+    head = region[1:4, :16]
+    lo, hi, d_w = gs.launch_weighted_gather_sum_bwd(d.to(DEV), rows.to(DEV),
+                                                    pos_to_row.to(DEV), w.to(DEV), 2,
+                                                    split=3, lo_out=head)
+    assert lo is head
+    torch.testing.assert_close(region[1:4, :16].cpu(), full[:3])
+    torch.testing.assert_close(hi.cpu(), full[3:])
+    torch.testing.assert_close(d_w.cpu(), full_w)
+    assert bool((region[0] == -1).all() and (region[4:] == -1).all()
+                and (region[:, 16:] == -1).all())  # nothing written around it
+    # The wrapper's pure path (CPU) writes it too.
+    out = torch.zeros(3, 16)
+    lo2, _, _ = kernel_weighted_bwd(d, rows, pos_to_row, w, 2, split=3, lo_out=out)
+    assert lo2 is out and torch.equal(out, full[:3])
+    for bad in (torch.zeros(2, 16), torch.zeros(3, 8), torch.zeros(3, 16).t().contiguous().t(),
+                torch.zeros(3, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="lo_out"):
+            gs.launch_weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2, split=3, lo_out=bad)
+
+
 def test_weighted_op_and_wrappers_on_cpu():
     rows, index, w = _weighted_case(4, 2, 16, torch.float32)
     out, _ = kernel_weighted_fwd(rows, index, w, 2)

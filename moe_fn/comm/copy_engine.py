@@ -8,7 +8,7 @@ differs. Each rank's send gather writes its rows into its region of symmetric me
 pulls its rows out of each peer's region with ``copy_``, which CUDA runs on a copy engine
 (DMA over NVLink) rather than on SMs, in parts with an event each, so that the moves
 towards the experts place one part while the next is in flight. The transfer needs no
-SMs withheld from the GEMMs beside it: the overlapped backward hid 71-75% of its combine
+SMs withheld from the GEMMs beside it: the overlapped backward hid 70-75% of its combine
 at ``comm_num_sm=4``, where the collective hides 55-58% at best; alone, with work queued
 ahead, its moves reach 87-97% of a raw ``all_to_all_single``'s throughput over the same
 rows, the collective's 71-78% (``bench/RESULTS.md``, issues 3 and 5). A receiver finds

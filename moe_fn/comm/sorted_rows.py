@@ -284,6 +284,8 @@ class SortedRowsExchange(Exchange):
         buf, work = self._exchange(SendRows(split, src.shape[1], src.dtype, src.device, write),
                                    handle.send_splits, handle.recv_splits, async_op=True,
                                    pulls=handle.pulls_out, in_parts=True)
+        if len(d_ws) != 1:
+            raise RuntimeError(f"the transport wrote the send rows {len(d_ws)} times, not once")
         d_w, = d_ws
         for lo, hi in self._landed(buf, work):
             kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])

@@ -347,7 +347,9 @@ def check_split_rows_args(num_rows: int, split: int, hi_out, hi_index, lo_out=No
     ``split``: a new tensor or ``lo_out``, ``(split, H)`` with contiguous columns, of
     ``like``'s dtype, width and device when given."""
     if lo_out is not None:
-        if lo_out.dim() != 2 or lo_out.shape[0] != split or lo_out.stride(-1) != 1:
+        strided = lo_out.dim() == 2 and min(lo_out.shape) > 0 and lo_out.shape[1] > 1
+        if (lo_out.dim() != 2 or lo_out.shape[0] != split
+                or (strided and lo_out.stride(-1) != 1)):
             raise ValueError(f"lo_out must be ({split}, H) with contiguous columns, got "
                              f"{tuple(lo_out.shape)} with strides {lo_out.stride()}")
         if like is not None and (lo_out.dtype != like.dtype or lo_out.device != like.device

@@ -195,6 +195,11 @@ def test_weighted_bwd_writes_the_head_where_it_is_given():
                 torch.zeros(3, 16, dtype=torch.float64)):
         with pytest.raises(ValueError, match="lo_out"):
             gs.launch_weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2, split=3, lo_out=bad)
+    # No rows before the split: any empty view will do, whatever its strides.
+    empty = torch.zeros(16, 4, device=DEV).t()[:0]
+    lo, hi, _ = gs.launch_weighted_gather_sum_bwd(d.to(DEV), rows.to(DEV), pos_to_row.to(DEV),
+                                                  w.to(DEV), 2, split=0, lo_out=empty)
+    assert lo is empty and torch.allclose(hi.cpu(), full)
 
 
 def test_weighted_op_and_wrappers_on_cpu():

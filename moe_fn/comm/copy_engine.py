@@ -6,12 +6,13 @@ send gathers, placements and sums, and the same results bit for bit. Only the tr
 differs. Each rank's send gather writes its rows into its region of symmetric memory
 (``moe_fn.comm.peer_memory``; one device barrier publishes them), and every receiver
 pulls its rows out of each peer's region with ``copy_``, which CUDA runs on a copy engine
-(DMA over NVLink) rather than on SMs, in parts with an event each, so that the moves
-towards the experts place one part while the next is in flight. The transfer needs no
-SMs withheld from the GEMMs beside it: the overlapped backward hid 70-75% of its combine
-at ``comm_num_sm=4``, where the collective hides 55-58% at best; alone, with work queued
-ahead, its moves reach 87-97% of a raw ``all_to_all_single``'s throughput over the same
-rows, the collective's 71-78% (``bench/RESULTS.md``, issues 3 and 5). A receiver finds
+(DMA over NVLink) rather than on SMs: the moves towards the experts in parts with an event
+each, so that one part is placed while the next is in flight, the moves home whole. The
+transfer needs no SMs withheld from the GEMMs beside it: the overlapped backward hid
+70-75% of its combine at ``comm_num_sm=4``, where the collective hides 52-59% at best;
+alone, with work queued ahead, its moves reach 87-97% of a raw ``all_to_all_single``'s
+throughput over the same rows, the collective's 70-78% (``bench/RESULTS.md``, issues 3
+and 5). A receiver finds
 its rows in a peer's region from every rank's rank-to-rank row counts, which the layout
 reads in its one host sync (``RowPulls``). On CPUs (gloo) the gathering stand-in of peer
 memory runs the same offsets and parts, so CPU tests check them.

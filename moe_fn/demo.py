@@ -190,6 +190,10 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+# --comm values that are the all_to_all exchange over another transport.
+TRANSPORTS = ("symm_mem", "copy_engine")
+
+
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
     transport = {"all_to_all_transport": comm} if comm in TRANSPORTS else {}
@@ -199,10 +203,6 @@ def options_on(ep: int, comm: str) -> dict:
                 combine_impl="eager" if comm == "deepep" else "fused",
                 overlap_weight_grad=ep > 1, comm_num_sm=4 if comm == "copy_engine" else 20,
                 skip_recompute_combine=True, **transport)
-
-
-# --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("symm_mem", "copy_engine")
 
 
 OPTIONS_OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",

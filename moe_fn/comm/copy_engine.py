@@ -117,17 +117,11 @@ class CopyEngineRowsExchange(AllToAllExchange):
         out.record_stream(side)
         return out, _Landing(parts, side)
 
-    def _landed(self, buf, work):
-        parts = getattr(work, "parts", None)
-        if parts is None:
-            return super()._landed(buf, work)
-        return self._land_parts(buf, work, parts)
-
-    @staticmethod
-    def _land_parts(buf, work, parts):
+    def _landed(self, buf, work: _Landing):
+        # ``work`` is this transport's: every move returns a _Landing.
         stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
         try:
-            for lo, hi, event in parts:
+            for lo, hi, event in work.parts:
                 if event is not None:
                     stream.wait_event(event)
                 yield lo, hi

@@ -15,7 +15,9 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
-ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem", "copy_engine")
+ALL_TO_ALL_TRANSPORTS = ("collective", "registered", "symm_mem", "copy_engine")
+# The transports that read peers' memory over NVLink (GPUs of one host).
+PEER_TRANSPORTS = ("symm_mem", "copy_engine")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
 DEEPEP_MAX_HIDDEN = 8184
@@ -58,7 +60,12 @@ class MoEConfig:
     ranks of one host; on CPUs a gathering stand-in runs the same logic;
     ``"copy_engine"`` moves the collective's rows, but each receiver pulls them from its
     peers' symmetric memory with copies the GPU's copy engines run, taking no SMs from
-    what runs beside them; same hosts and stand-in).
+    what runs beside them; same hosts and stand-in; ``"registered"`` is the collective with
+    the rows it hands NCCL allocated in a memory pool registered with the group's NCCL
+    communicator (user-buffer registration: NCCL moves them buffer to buffer, without its
+    staging copies; that pool keeps the exchange's peak of buffers reserved for it;
+    ``moe_fn.comm.nccl_pool.release_registered_buffers()`` before
+    ``destroy_process_group`` frees it); over gloo it is the collective).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
@@ -149,10 +156,11 @@ class MoEConfig:
                     "use comm_backend='all_to_all'")
             if self.all_to_all_dedup:
                 raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} reads rows from "
-                    "peer memory; all_to_all_dedup=True is another transport (tokens over "
-                    "all_to_all_single): set one of them back to its default")
-            if self.ep_size > PEER_MAX_RANKS:
+                    f"all_to_all_transport={self.all_to_all_transport!r} moves the "
+                    "row-by-row exchange's rows; all_to_all_dedup=True is another exchange "
+                    "(tokens once per rank over all_to_all_single): set one of them back to "
+                    "its default")
+            if self.all_to_all_transport in PEER_TRANSPORTS and self.ep_size > PEER_MAX_RANKS:
                 raise ValueError(
                     f"all_to_all_transport={self.all_to_all_transport!r} supports at most "
                     f"{PEER_MAX_RANKS} ranks, got ep_size={self.ep_size}: use "

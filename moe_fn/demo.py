@@ -34,6 +34,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .comm.nccl_pool import release_registered_buffers
+
 VOCAB, SEQ = 128, 32
 MODEL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -191,7 +193,7 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 # --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("symm_mem", "copy_engine")
+TRANSPORTS = ("registered", "symm_mem", "copy_engine")
 
 
 def options_on(ep: int, comm: str) -> dict:
@@ -297,6 +299,7 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
         code = run(rank, world, args)
         dist.barrier()
     finally:
+        release_registered_buffers()  # while their communicator lives
         dist.destroy_process_group()
     if rank == 0:
         results.put(code)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.comm.nccl_pool import release_registered_buffers
 from moe_fn.comm.peer_memory import release_peer_memory
 from tests.dist_utils import run_distributed
 from tests.kernels.tolerance import assert_close_to_ref
@@ -65,8 +68,9 @@ def _grads(rank, world, device, dtype, tokens, transport, parts=None, lag=False,
 
 
 def compare_transports(rank, world, device=None):
-    """copy_engine and symm_mem against collective; ``device`` defaults to this rank's GPU.
-    The copy engines move the collective's rows: every result equal bit for bit. symm_mem
+    """registered, copy_engine and symm_mem against collective; ``device`` defaults to this
+    rank's GPU. The registered buffers and the copy engines carry the collective's rows:
+    every result equal bit for bit. symm_mem
     sums in other orders (a token's rows per rank first, then the ranks' float32 partials;
     the routing weights' gradient as a dot product on the expert side), so its results are
     held to the kernel rule against a float64 run of the collective: its error at most
@@ -86,6 +90,10 @@ def compare_transports(rank, world, device=None):
         # The copy engines move the collective's rows: the same results bit for bit.
         # Pulled whole, in three parts however small, and in parts whose pulls lag behind
         # the host by a sleep on their stream (the reads must wait for them).
+        # Registered with NCCL: the same collective over other memory, bit for bit too.
+        reg = _grads(rank, world, device, dtype, tokens, "registered", **kw)
+        for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, reg):
+            assert torch.equal(a, b), f"registered {name} {dtype} {kw} {tokens}"
         for parts, lag in ((None, False), (3, False), (3, True)):
             ce = _grads(rank, world, device, dtype, tokens, "copy_engine", parts, lag, **kw)
             for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
@@ -103,7 +111,23 @@ def compare_transports(rank, world, device=None):
     ref = _grads(rank, world, device, torch.float64, 64, "collective")
     for a, b, r in zip(want, got, ref):
         assert_close_to_ref(b, a, r, "after release")
+    release_registered_buffers()  # the next move makes and registers a new pool
+    for a, b in zip(want, _grads(rank, world, device, torch.float32, 64, "registered")):
+        assert torch.equal(a, b), "registered, after release"
 
 
 def test_symm_mem_matches_the_collective_on_two_gpus():
     run_distributed(compare_transports, 2, backend="nccl")
+
+
+def _exit_after_destroy(rank, world, init_file):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    _grads(rank, world, torch.device("cuda", rank), torch.float32, 64, "registered")
+    dist.destroy_process_group()  # no release first: the pool outlives its communicator
+    # ... and the process must still end cleanly (freeing that pool would abort it).
+
+
+def test_a_registered_pool_left_at_exit_does_not_abort_the_process(tmp_path):
+    mp.spawn(_exit_after_destroy, args=(2, str(tmp_path / "init")), nprocs=2)

@@ -164,8 +164,12 @@ class SendRows(NamedTuple):
     device: torch.device
     write: Callable[[torch.Tensor], Any]
 
+    def empty(self) -> torch.Tensor:
+        """An unwritten tensor of the rows' shape."""
+        return torch.empty((self.num_rows, self.width), dtype=self.dtype, device=self.device)
+
     def materialize(self) -> torch.Tensor:
-        out = torch.empty((self.num_rows, self.width), dtype=self.dtype, device=self.device)
+        out = self.empty()
         self.write(out)
         return out
 
@@ -176,6 +180,20 @@ class AllToAllTransport:
     exchanges (collective and ``symm_mem``) also gather every rank's counts here."""
 
     backend = "all_to_all"
+    # all_to_all_transport="registered": the rows this transport writes for NCCL (sent
+    # rows and their receive buffers) are allocated in memory registered with the group's
+    # communicator (``nccl_pool``). NCCL needs every rank to pass registered buffers in a
+    # call or none: every rank allocates a move's buffers the same way. Tensors others hand
+    # it (the token-once exchange's) stay unregistered.
+    register_buffers = False
+
+    def _comm_memory(self, device: torch.device):
+        """The context in which to allocate a tensor NCCL will move (a registered pool, or
+        nothing to do)."""
+        if not self.register_buffers or device.type != "cuda":
+            return contextlib.nullcontext()
+        from .nccl_pool import registered_pool
+        return torch.cuda.use_mem_pool(registered_pool(self.group, device), device)
 
     @staticmethod
     def _group_size_and_rank(group) -> tuple[int, int]:
@@ -193,9 +211,19 @@ class AllToAllTransport:
 
     def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
                   pulls=None, in_parts=False):
-        rows = rows.materialize() if isinstance(rows, SendRows) else rows.contiguous()
-        if out is None:
-            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        if isinstance(rows, SendRows):
+            # Rows this exchange writes for the collective and their receive buffer go to
+            # registered memory (a caller's ``out`` for them was allocated there too).
+            with self._comm_memory(rows.device):
+                send = rows.empty()
+                if out is None:
+                    out = send.new_empty((sum(recv_splits), rows.width))
+            rows.write(send)
+            rows = send
+        else:
+            rows = rows.contiguous()
+            if out is None:
+                out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
         work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
                                       group=self.group, async_op=async_op)
         return out, work

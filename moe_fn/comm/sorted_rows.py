@@ -14,6 +14,7 @@ mode), the sum reads the own rows where the experts left them instead of a copy.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -80,6 +81,10 @@ class SortedRowsExchange(Exchange):
     def _layout_counts(self, plan: RoutePlan):
         raise NotImplementedError
 
+    def _comm_memory(self, device: torch.device):
+        """Where to allocate a buffer the transport receives into (``_to_home``'s)."""
+        return contextlib.nullcontext()
+
     def _landed(self, buf, work):
         """Row ranges ``[lo, hi)`` of an exchange's received ``buf``, each readable on the
         current stream when yielded. A transport may land a move in parts, so that placing
@@ -142,8 +147,9 @@ class SortedRowsExchange(Exchange):
         n_in = sum(h.send_splits)
         n_buf = n_in if own_in_place else h.home_order.numel()
         w = None if weights is None else weights.reshape(-1, 1)
-        buf = (expert_rows.new_empty((n_buf, *expert_rows.shape[1:])) if w is None
-               else new_packed(expert_rows, n_buf, w))
+        with self._comm_memory(expert_rows.device):  # NCCL receives into its head
+            buf = (expert_rows.new_empty((n_buf, *expert_rows.shape[1:])) if w is None
+                   else new_packed(expert_rows, n_buf, w))
         send = _send_gather(expert_rows, h.recv_dst, w, h.recv_dst)
         _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
                                  out=buf[:n_in], pulls=h.pulls_home)
@@ -368,8 +374,10 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
 
     pulls = False  # whether the transport pulls rows from its peers (needs RowPulls)
 
-    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
+    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False,
+                 register_buffers: bool = False):
         self.fused_combine = fused_combine
+        self.register_buffers = register_buffers
         ep, rank = self._group_size_and_rank(group)
         super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
 

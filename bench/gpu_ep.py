@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -35,6 +36,7 @@ import moe_fn
 from bench._gpu import environment
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.routing import Combine
+from moe_fn.comm.nccl_pool import release_registered_buffers
 from moe_fn.pure.activations import resolve_layout
 from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
 
@@ -80,9 +82,10 @@ def backends(have_deepep):
     # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
     # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
     # "all_to_all_ce": the collective's rows pulled by copy engines (all_to_all_transport=
-    # "copy_engine").
-    names = (["all_to_all", "all_to_all_ce", "all_to_all_symm", "all_to_all_symm_rowwise",
-              "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
+    # "copy_engine"); "all_to_all_reg": the collective over NCCL-registered buffers
+    # (all_to_all_transport="registered").
+    names = (["all_to_all", "all_to_all_reg", "all_to_all_ce", "all_to_all_symm",
+              "all_to_all_symm_rowwise", "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
     return [b for b in ONLY_BACKENDS if b in names]  # in the order given
@@ -110,6 +113,8 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
         backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
     if backend == "all_to_all_ce":
         backend, extra["all_to_all_transport"] = "all_to_all", "copy_engine"
+    if backend == "all_to_all_reg":
+        backend, extra["all_to_all_transport"] = "all_to_all", "registered"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
     if backend == "all_to_all_dedup":
@@ -264,10 +269,14 @@ def layer_bench(have_deepep, results, tokens, reps):
             full_send, full_recv = full_send.tolist(), full_recv.tolist()
             rem_send, rem_recv = list(full_send), list(full_recv)
             rem_send[RANK] = rem_recv[RANK] = 0
-            for name, ss, rs in (("raw_remote", rem_send, rem_recv),
-                                 ("raw_all", full_send, full_recv)):
-                send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
-                recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
+            raws = [("raw_remote", rem_send, rem_recv), ("raw_all", full_send, full_recv)]
+            if backend == "all_to_all_reg":  # raw over registered buffers too
+                raws.append(("raw_remote_registered", rem_send, rem_recv))
+            for name, ss, rs in raws:
+                with (ex._comm_memory(x.device) if name.endswith("registered")
+                      else contextlib.nullcontext()):
+                    send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
+                    recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
 
                 def raw():
                     dist.all_to_all_single(recv, send, list(rs), list(ss))
@@ -678,7 +687,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
-                    help="comma-separated subset of all_to_all, all_to_all_ce, "
+                    help="comma-separated subset of all_to_all, all_to_all_reg, all_to_all_ce, "
                          "all_to_all_symm, all_to_all_symm_rowwise, all_to_all_dedup, "
                          "deepep")
     a = ap.parse_args()
@@ -713,6 +722,7 @@ def main():
         overlap_bench(have_deepep, results, a.tokens, a.reps)
         dump()
     dist.barrier()
+    release_registered_buffers()  # while NCCL lives
     dist.destroy_process_group()
 
 

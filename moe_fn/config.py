@@ -63,9 +63,10 @@ class MoEConfig:
     what runs beside them; same hosts and stand-in; ``"registered"`` is the collective with
     the rows it hands NCCL allocated in a memory pool registered with the group's NCCL
     communicator (user-buffer registration: NCCL moves them buffer to buffer, without its
-    staging copies; that pool keeps the exchange's peak of buffers reserved for it;
-    ``moe_fn.comm.nccl_pool.release_registered_buffers()`` before
-    ``destroy_process_group`` frees it); over gloo it is the collective).
+    staging copies; the pool holds the moves' buffers, the rows a weighted combine keeps
+    for its backward among them, see ``moe_fn.comm.nccl_pool``;
+    ``release_registered_buffers()`` there, before ``destroy_process_group``, frees it);
+    with CPU tensors over gloo it is the collective).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..pure.dispatch import row_bytes
 from ..pure.row_weight import RowWeightRes
+from .nccl_pool import registered_memory
 
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
                 "dispatch_backward", "combine_backward")
@@ -188,12 +189,13 @@ class AllToAllTransport:
     register_buffers = False
 
     def _comm_memory(self, device: torch.device):
-        """The context in which to allocate a tensor NCCL will move (a registered pool, or
-        nothing to do)."""
-        if not self.register_buffers or device.type != "cuda":
+        """The context in which to allocate a tensor NCCL will move (the registered pool,
+        or nothing to do). Not while a CUDA graph is captured: its allocations belong to
+        the graph's own pool."""
+        if (not self.register_buffers or device.type != "cuda"
+                or torch.cuda.is_current_stream_capturing()):
             return contextlib.nullcontext()
-        from .nccl_pool import registered_pool
-        return torch.cuda.use_mem_pool(registered_pool(self.group, device), device)
+        return registered_memory(self.group, device)
 
     @staticmethod
     def _group_size_and_rank(group) -> tuple[int, int]:
@@ -221,6 +223,9 @@ class AllToAllTransport:
             rows.write(send)
             rows = send
         else:
+            if self.register_buffers and out is not None:
+                raise RuntimeError("a registered receive buffer needs registered send rows: "
+                                   "pass them as SendRows")
             rows = rows.contiguous()
             if out is None:
                 out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))

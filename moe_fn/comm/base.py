@@ -211,27 +211,25 @@ class AllToAllTransport:
         _all_gather(c, plan.counts.contiguous(), group=self.group)
         return c.view(self.ep_size, -1)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
                   pulls=None, in_parts=False):
+        n = sum(recv_splits)
         if isinstance(rows, SendRows):
-            # Rows this exchange writes for the collective and their receive buffer go to
-            # registered memory (a caller's ``out`` for them was allocated there too).
+            # Rows this exchange writes for the collective, and the buffer they arrive in,
+            # go to registered memory.
             with self._comm_memory(rows.device):
                 send = rows.empty()
-                if out is None:
-                    out = send.new_empty((sum(recv_splits), rows.width))
+                buf = send.new_empty((n + room, rows.width))
             rows.write(send)
             rows = send
         else:
-            if self.register_buffers and out is not None:
-                raise RuntimeError("a registered receive buffer needs registered send rows: "
-                                   "pass them as SendRows")
+            if room:
+                raise ValueError("room behind the received rows needs SendRows")
             rows = rows.contiguous()
-            if out is None:
-                out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, list(recv_splits), list(send_splits),
+            buf = rows.new_empty((n, *rows.shape[1:]))
+        work = dist.all_to_all_single(buf[:n], rows, list(recv_splits), list(send_splits),
                                       group=self.group, async_op=async_op)
-        return out, work
+        return buf, work
 
 
 # Rows and per-row values (routing weights, their gradients) in one collective: each packed

@@ -59,7 +59,7 @@ class CopyEngineRowsExchange(AllToAllExchange):
         step = -(-n // parts) if n else 0
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)] if n else []
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
                   pulls=None, in_parts=False):
         if pulls is None:
             raise RuntimeError("the copy-engine transport moves rows with a layout's "
@@ -71,13 +71,13 @@ class CopyEngineRowsExchange(AllToAllExchange):
                                         width, rows.dtype, pulls.max_rows, None, 0,
                                         device=rows.device)
         else:
+            if room:
+                raise ValueError("room behind the received rows needs SendRows")
             rows = rows.contiguous()
             width = math.prod(rows.shape[1:])
             view = peers.expose(rows.reshape(rows.shape[0], width), None, pulls.max_rows, 0)
         n = sum(recv_splits)
-        if out is None:
-            out = torch.empty((n, width), dtype=rows.dtype, device=rows.device)
-        got = out.view(out.shape[0], width)
+        out = torch.empty((n + room, width), dtype=rows.dtype, device=rows.device)
         ranges = (self._parts(n, width * rows.dtype.itemsize) if in_parts
                   else [(0, n)] if n else [])
 
@@ -88,7 +88,7 @@ class CopyEngineRowsExchange(AllToAllExchange):
                 a, b = max(lo, at), min(hi, at + m)
                 if a < b:
                     start = pulls.offsets[s] - at
-                    got[a:b].copy_(view.rows[s][start + a:start + b])
+                    out[a:b].copy_(view.rows[s][start + a:start + b])
                 at += m
         if not (async_op and out.is_cuda):
             for lo, hi in ranges:

@@ -14,7 +14,6 @@ mode), the sum reads the own rows where the experts left them instead of a copy.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,6 @@ from .base import (
     Pending,
     SendRows,
     check_cached_tokens,
-    new_packed,
     pack_rows,
     packed_width,
     sm_count,
@@ -69,21 +67,19 @@ class SortedRowsExchange(Exchange):
     fused_combine = False
     home_weighting = True
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
                   pulls=None, in_parts=False):
         """Rows (a tensor or ``SendRows``) sent by ``send_splits`` and received by
-        ``recv_splits`` into ``out`` (or a new tensor): ``(received, work)``, ``work`` None
-        or what to wait on. ``pulls``: the layout's ``RowPulls`` (pulling transports);
-        ``in_parts``: the caller reads the received rows range by range (``_landed``), so
-        the transport may land them in parts."""
+        ``recv_splits`` into a new buffer with ``room`` more rows behind them, which the
+        caller fills (needs ``SendRows``: the buffer is as wide): ``(buffer, work)``,
+        ``work`` None or what to wait on. The transport allocates that buffer, so it can
+        place it where it moves rows from (registered memory). ``pulls``: the layout's
+        ``RowPulls`` (pulling transports); ``in_parts``: the caller reads the received rows
+        range by range (``_landed``), so the transport may land them in parts."""
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
         raise NotImplementedError
-
-    def _comm_memory(self, device: torch.device):
-        """Where to allocate a buffer the transport receives into (``_to_home``'s)."""
-        return contextlib.nullcontext()
 
     def _landed(self, buf, work):
         """Row ranges ``[lo, hi)`` of an exchange's received ``buf``, each readable on the
@@ -147,12 +143,9 @@ class SortedRowsExchange(Exchange):
         n_in = sum(h.send_splits)
         n_buf = n_in if own_in_place else h.home_order.numel()
         w = None if weights is None else weights.reshape(-1, 1)
-        with self._comm_memory(expert_rows.device):  # NCCL receives into its head
-            buf = (expert_rows.new_empty((n_buf, *expert_rows.shape[1:])) if w is None
-                   else new_packed(expert_rows, n_buf, w))
         send = _send_gather(expert_rows, h.recv_dst, w, h.recv_dst)
-        _, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
-                                 out=buf[:n_in], pulls=h.pulls_home)
+        buf, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
+                                   room=n_buf - n_in, pulls=h.pulls_home)
         own = (expert_rows, h.self_dst) if own_in_place else ()
         if not own_in_place and weights is None:
             torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
@@ -335,7 +328,7 @@ class LocalExchange(SortedRowsExchange):
         super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
         self.fused_combine = fused_combine
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, out=None,
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
                   pulls=None, in_parts=False):
         raise AssertionError("the local exchange moves nothing between ranks")
 

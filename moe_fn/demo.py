@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.nccl_pool import release_registered_buffers
+from .comm.teardown import leave_after_last_collective
 
 VOCAB, SEQ = 128, 32
 MODEL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -298,11 +299,13 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
     try:
         code = run(rank, world, args)
         dist.barrier()
-    finally:
+    except BaseException:
         release_registered_buffers()  # while their communicator lives
         dist.destroy_process_group()
+        raise
     if rank == 0:
-        results.put(code)
+        results.put(code)  # before a gloo rank leaves at once
+    leave_after_last_collective()
 
 
 def check_args(args) -> None:

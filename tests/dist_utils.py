@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moe_fn.comm.teardown import leave_after_last_collective
 
 
 def _entry(rank, world, init_file, fn, args, backend="gloo"):
@@ -24,13 +25,7 @@ def _entry(rank, world, init_file, fn, args, backend="gloo"):
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Every rank is past its last collective: leave at once. Tearing gloo down, or the
-    # interpreter's exit after it, has now and then aborted a finished process ("terminate
-    # called without an active exception", twice in CI runs, also after a barrier);
-    # skipping both loses nothing a test checks (spawn reads the exit code).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_after_last_collective()  # over gloo: exits here
 
 
 def run_distributed(fn, world: int, *args, backend: str = "gloo") -> None:

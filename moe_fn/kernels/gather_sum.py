@@ -56,9 +56,10 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr
     for j in tl.static_range(K):
         r = tl.load(index_ptr + t * K + j).to(tl.int64)
         mj = m
+        present = r >= 0
         if MASKED:  # -1 marks an absent entry
             # An absent entry masks its whole row: its column bound drops to 0.
-            mj = cols < tl.where(r >= 0, H, 0)
+            mj = cols < tl.where(present, H, 0)
             r = tl.maximum(r, 0)
         src = rows_ptr + r * (s_r * VEC)
         if TWO_SRC:
@@ -77,6 +78,8 @@ def _gather_sum_kernel(rows_ptr, index_ptr, w_ptr, own_ptr, own_idx_ptr, out_ptr
                 w = tl.load(w_ptr + r).to(tl.float32)
             else:  # a weight per (t, j) entry
                 w = tl.load(w_ptr + t * K + j).to(tl.float32)
+            if MASKED:  # an absent entry's stand-in weight is 0 too (inf * 0 is NaN)
+                w = tl.where(present, w, 0.0)
             v = v * w
         acc += v
     tl.store(out_ptr + t * (s_o * VEC) + cols, acc.to(out_ptr.dtype.element_ty), mask=m)

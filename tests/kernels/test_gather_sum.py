@@ -431,6 +431,20 @@ def test_gather_rows_reads_and_writes_row_strided_views(dtype):
         launch_gather_sum(src, index, 1, out=dst_wide[:, :36])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_masked_gather_sum_ignores_the_weight_of_a_row_no_token_uses(bad):
+    """An absent slot (-1) stands in a zero row with a zero weight: a non-finite weight of
+    a row no token gathers (row 0 here) reaches no output, as in the pure twin."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(3, 12, generator=g).to(DEV)
+    table = torch.tensor([[1, -1], [2, 1], [-1, 2]], device=DEV)
+    w = torch.tensor([bad, 1.5, -0.5], device=DEV)
+    got = gs.launch_masked_gather_sum(rows, table, w).cpu()
+    assert torch.isfinite(got).all(), got
+    assert_close_to_ref(got, masked_gather_sum(rows.cpu(), table.cpu(), w.cpu()),
+                        naive_masked(rows.cpu(), table.cpu(), w.cpu()))
+
+
 def test_masked_gather_sum_writes_into_a_row_strided_view():
     g = torch.Generator().manual_seed(4)
     rows = torch.randn(6, 19, generator=g).to(DEV)

@@ -131,6 +131,9 @@ class MoELayer(nn.Module):
     sum; elsewhere they scale the expert rows before a plain-sum combine.
     """
 
+    # Within a forward under torch.autocast: the dtype the layer computes in.
+    _autocast_to: torch.dtype | None = None
+
     def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -179,7 +182,10 @@ class MoELayer(nn.Module):
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
         r = self.router
-        return Router.apply(x2, r.weight, r.bias, r.e_score_correction_bias, c.top_k,
+        weight, bias = r.weight, r.bias
+        if self._autocast_to is not None:  # the router's parameters in its input's dtype
+            weight, bias = _cast(weight, x2.dtype), _cast(bias, x2.dtype)
+        return Router.apply(x2, weight, bias, r.e_score_correction_bias, c.top_k,
                             c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
                             c.group_score, float(c.routed_scaling_factor), replay_idx)
 
@@ -189,18 +195,27 @@ class MoELayer(nn.Module):
         # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
         return rows * row_w.to(rows.dtype)[:, None]
 
-    def _expert_biases(self):
-        if not self.config.expert_bias:
-            return None, None
-        return self.experts.gate_up_proj_bias, self.experts.down_proj_bias
+    def expert_weights(self) -> tuple:
+        """``(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)`` as the experts
+        compute with them (biases None without ``config.expert_bias``): the parameters, or
+        under ``torch.autocast`` their casts to its dtype (once per forward, so that every
+        use shares one copy and its gradient)."""
+        ex = self.experts
+        biases = ((ex.gate_up_proj_bias, ex.down_proj_bias) if self.config.expert_bias
+                  else (None, None))
+        return tuple(_cast(t, self._autocast_to) for t in (ex.gate_up_proj, ex.down_proj,
+                                                          *biases))
 
-    def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None):
+    def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None,
+                       weights=None):
+        """The experts on their rows; ``weights`` is ``expert_weights()`` (read when
+        None)."""
         c = self.config
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
-        gate_up_bias, down_bias = self._expert_biases()
+        gate_up, down, gate_up_bias, down_bias = weights or self.expert_weights()
         # functional.experts' contract; its checks are the config's and _check_parameters'.
-        y = Experts.apply(rows, self.experts.gate_up_proj, self.experts.down_proj, offs,
+        y = Experts.apply(rows, gate_up, down, offs,
                           row_w if c.score_apply == "activation" else None, gate_up_bias,
                           down_bias, *self._experts_static, slot)
         if c.score_apply == "post" and post_weighting:
@@ -365,10 +380,10 @@ class MoELayer(nn.Module):
         logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
         overlap = ()
         slot = None
+        weights = self.expert_weights()
         if c.overlap_weight_grad:
             slot = WeightGradSlot()
-            overlap = (self.experts.gate_up_proj, self.experts.down_proj, slot, c.comm_num_sm,
-                       *self._expert_biases())
+            overlap = (*weights[:2], slot, c.comm_num_sm, *weights[2:])
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
         if (entry is not None and c.skip_recompute_combine and not region.reentrant
                 and not self.skip_mode_warned):
@@ -395,7 +410,8 @@ class MoELayer(nn.Module):
             rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, entry.handle, True,
                                                  *overlap)
         y = self.expert_compute(rows, row_w, handle.local_offs,
-                                post_weighting=not (skip or home_w or fold_w), slot=slot)
+                                post_weighting=not (skip or home_w or fold_w), slot=slot,
+                                weights=weights)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")
@@ -462,6 +478,21 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
         self._check_parameters(x)
+        amp = _autocast_dtype(x)
+        if amp is not None:
+            # Under torch.autocast the layer runs as one in autocast's dtype: x and the
+            # parameters cast to it (differentiably: float32 gradients reach float32
+            # parameters), autocast off inside, where every op already has one dtype.
+            with torch.autocast(x.device.type, enabled=False):
+                self._autocast_to = amp
+                try:
+                    return self._forward(x.to(amp), return_router_logits)
+                finally:
+                    self._autocast_to = None
+        return self._forward(x, return_router_logits)
+
+    def _forward(self, x: torch.Tensor, return_router_logits: bool):
+        c = self.config
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()
@@ -482,6 +513,22 @@ class MoELayer(nn.Module):
 
 def _keep(t):
     return t
+
+
+def _cast(t, dtype):
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def _autocast_dtype(x: torch.Tensor):
+    """The dtype ``torch.autocast`` lowers float32 matmuls to on ``x``'s device, where it is
+    on and ``x`` is float32 (it leaves other dtypes alone); else None."""
+    kind = x.device.type
+    if x.dtype != torch.float32 or not torch.amp.is_autocast_available(kind):
+        return None
+    if not torch.is_autocast_enabled(kind):
+        return None
+    amp = torch.get_autocast_dtype(kind)
+    return None if amp == torch.float32 else amp
 
 
 def _reads_skipped_combine(x: torch.Tensor) -> bool:

@@ -148,6 +148,37 @@ def test_bfloat16_with_float32_router(name):
         assert err <= 2 * hf_err + 2**-8 * exact.abs().max(), (float(err), float(hf_err))
 
 
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_autocast_block_within_bfloat16_rounding(name):
+    """Under torch.autocast (bf16) a converted block runs forward and backward, and its
+    output and every gradient (input, its parameters: float32, as they are) lie within a
+    few bf16 steps of the float64 block's; a wrong path or a parameter's gradient lost in
+    a cast would be off by the size of the values, 256 steps."""
+    conv, ref = convert(make_model(name)), make_model(name)
+    (block_name, block), *_ = converted_blocks(conv)
+    exact = copy.deepcopy(dict(ref.named_modules())[block_name]).double()
+    exact.experts.config._experts_implementation = "eager"  # grouped_mm has no float64
+    gen = torch.Generator().manual_seed(3)
+    x, g = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    results = []
+    for m, a, cast in ((block, x.clone(), True), (exact, x.double(), False)):
+        m.train()
+        a.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            out = _hidden(m(a))
+        (out.double() * g.double()).sum().backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        results.append((out, a.grad, grads))
+    (out, dx, grads), (want, want_dx, want_grads) = results
+    assert out.dtype == torch.bfloat16 and grads.keys() == want_grads.keys()
+    assert all(p.grad is None or p.grad.dtype == p.dtype == torch.float32
+               for p in block.parameters())
+    for what, got, w in [("out", out, want), ("x grad", dx, want_dx),
+                         *((f"{n} grad", grads[n], want_grads[n]) for n in want_grads)]:
+        err = (got.double() - w).abs().max()
+        assert err <= 8 * 2**-8 * w.abs().max(), (name, what, float(err), float(w.abs().max()))
+
+
 def _hidden(out):
     return out[0] if isinstance(out, tuple) else out  # GPT-OSS: (hidden, router_scores)
 

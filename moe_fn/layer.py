@@ -24,6 +24,15 @@ from .records import RoutePlan
 from .replay import KeptActivations, current_region
 
 
+def takes_comm_sms(config: MoEConfig) -> bool:
+    """Whether anything the config runs takes ``comm_num_sm`` SMs: DeepEP's kernels, the
+    symm_mem transport's pulls, the overlap's carveout (the other exchanges leave the
+    SMs to NCCL or the copy engines and never read it)."""
+    return config.ep_size > 1 and (
+        config.comm_backend == "deepep" or config.overlap_weight_grad
+        or (config.all_to_all_transport == "symm_mem" and not config.all_to_all_dedup))
+
+
 def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
     """The SMs the exchange takes (DeepEP's kernels, the symm_mem pulls, the overlap's
     carveout) must leave some to the experts' GEMMs."""
@@ -36,8 +45,11 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     """The exchange a config asks for; group size is checked before any collective runs."""
     if config.comm_backend == "local":
         if process_group is not None and dist.get_world_size(process_group) != 1:
-            raise ValueError("comm_backend='local' with a process group of size "
-                             f"{dist.get_world_size(process_group)}: use 'all_to_all' or 'deepep'")
+            n = dist.get_world_size(process_group)
+            raise ValueError(f"comm_backend='local' with a process group of {n} ranks: for "
+                             f"expert parallelism over it set ep_size={n} and comm_backend="
+                             "'all_to_all' or 'deepep' (moe_fn.hf.convert(model, ep_size="
+                             f"{n}, process_group=...) picks 'all_to_all'), or pass no group")
         return LocalExchange(num_experts=config.num_experts,
                              fused_combine=config.combine_impl == "fused")
     if not (dist.is_available() and dist.is_initialized()):
@@ -46,7 +58,8 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     size = dist.get_world_size(process_group)
     if size != config.ep_size:
         raise ValueError(f"the process group has {size} ranks but ep_size is "
-                         f"{config.ep_size}: pass a group of ep_size ranks")
+                         f"{config.ep_size}: pass a group of {config.ep_size} ranks, or set "
+                         f"ep_size={size}")
     if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
         from .comm.token_a2a import TokenAllToAllExchange
         return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
@@ -500,7 +513,7 @@ class MoELayer(nn.Module):
             self._check_capturable(region)
         if (self.exchange.ep_size > 1
                 and self._ranks_agree_on != (x.dtype, x.device)):
-            if x.is_cuda:
+            if x.is_cuda and takes_comm_sms(c):
                 check_comm_num_sm(c.comm_num_sm, comm_base.sm_count(x.device))
             self._check_ranks_agree(x)
         if region is not None and not c.recompute_in_checkpoint:

@@ -93,8 +93,14 @@ def test_layer_rejects_a_non_config():
 
 def _group_size_mismatch(rank, world):
     cfg = MoEConfig(**BASE, comm_backend="all_to_all", ep_size=4)
-    with pytest.raises(ValueError, match="process group has 2 ranks but ep_size is 4"):
+    with pytest.raises(ValueError, match="process group has 2 ranks but ep_size is 4: pass "
+                       "a group of 4 ranks, or set ep_size=2"):
         MoELayer(cfg)
+    # The local exchange over a group of several ranks: the fix is ep_size, not only the
+    # backend (which alone would fail on ep_size next).
+    with pytest.raises(ValueError, match="process group of 2 ranks: for expert parallelism "
+                       "over it set ep_size=2 and comm_backend='all_to_all' or 'deepep'"):
+        MoELayer(MoEConfig(**BASE), dist.group.WORLD)
     # No rank was left inside a collective: the group still works.
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -150,3 +156,20 @@ def test_comm_num_sm_must_leave_sms_for_the_gemms():
     check_comm_num_sm(24, 132)
     with pytest.raises(ValueError, match="comm_num_sm=132 leaves none of this GPU's 132 SMs"):
         check_comm_num_sm(132, 132)
+
+
+def test_only_what_takes_sms_reads_comm_num_sm():
+    """The first CUDA forward checks that comm_num_sm leaves SMs to the GEMMs only where
+    something takes them: a GPU with few SMs (a MIG slice) runs the NCCL or copy-engine
+    exchanges, which never read it."""
+    from moe_fn.layer import takes_comm_sms
+
+    ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
+    assert not takes_comm_sms(MoEConfig(**BASE))
+    assert not takes_comm_sms(MoEConfig(**ep))
+    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="copy_engine"))
+    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="registered"))
+    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_dedup=True))
+    assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
+    assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))
+    assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="deepep")))

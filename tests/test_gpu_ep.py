@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.comm.base import stream_of
 from moe_fn.comm.nccl_pool import registered_pool, release_registered_buffers
 from moe_fn.comm.peer_memory import release_peer_memory
 from tests.dist_utils import run_distributed
@@ -33,9 +34,7 @@ def _lag_pulls(ex, device, cycles=2_000_000):
     real = ex._exchange
 
     def lagging(*a, **kw):
-        if getattr(ex, "_pull_stream", None) is None:
-            ex._pull_stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(ex._pull_stream):
+        with torch.cuda.stream(stream_of(ex, "_pull_streams", device)):
             torch.cuda._sleep(cycles)
         return real(*a, **kw)
     ex._exchange = lagging

@@ -198,3 +198,24 @@ def test_sm_carveout_restores_on_exception():
         assert torch._C._get_sm_carveout_experimental() == 12
         raise ValueError("boom")
     assert torch._C._get_sm_carveout_experimental() == before
+
+
+def test_an_exchange_keeps_one_side_stream_per_device(monkeypatch):
+    """A layer moved to another GPU orders its side work on a stream of that GPU, not on the
+    stream made for the first (CUDA streams stood in by records of their device)."""
+    from moe_fn.comm.base import stream_of
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or device)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    s0 = stream_of(owner, "_side_streams", torch.device("cuda", 0))
+    assert stream_of(owner, "_side_streams", torch.device("cuda", 0)) is s0
+    s1 = stream_of(owner, "_side_streams", torch.device("cuda", 1))
+    assert s1 == torch.device("cuda", 1) and s0 == torch.device("cuda", 0)
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    other = stream_of(owner, "_pull_streams", torch.device("cuda", 0))  # another purpose
+    assert len(made) == 3 and other == s0

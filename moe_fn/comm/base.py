@@ -113,13 +113,12 @@ class Exchange:
         the current stream so far, with ``inputs`` (``None`` skipped) recorded as used by
         it so that their memory outlives its reads."""
         main = torch.cuda.current_stream(device)
-        if getattr(self, "_side_stream", None) is None:
-            self._side_stream = torch.cuda.Stream(device)
-        self._side_stream.wait_stream(main)
+        side = stream_of(self, "_side_streams", main.device)
+        side.wait_stream(main)
         for t in inputs:
             if t is not None:
-                t.record_stream(self._side_stream)
-        return main, self._side_stream
+                t.record_stream(side)
+        return main, side
 
     @staticmethod
     def _joined(main, side, *outputs, then=None) -> Pending:
@@ -299,6 +298,16 @@ def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: i
     _, _, perm, inv_perm, tokens = kernels.layout_with_tokens(key, num_local_experts + 1)
     row_of_slot = torch.where(inv_perm < num_rows, inv_perm, -1).reshape(local_idx.shape)
     return tokens[:num_rows], perm[:num_rows] % k, row_of_slot
+
+
+def stream_of(owner, attr: str, device: torch.device) -> torch.cuda.Stream:
+    """``owner``'s own stream on ``device``, made at its first use there (a layer moved to
+    another GPU gets one on that GPU; a stream of the old one would not order its work)."""
+    streams = owner.__dict__.setdefault(attr, {})
+    stream = streams.get(device.index)
+    if stream is None:
+        stream = streams[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 @contextlib.contextmanager

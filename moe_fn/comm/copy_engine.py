@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .base import Pending, SendRows
+from .base import Pending, SendRows, stream_of
 from .peer_memory import peer_memory
 from .sorted_rows import AllToAllExchange
 
@@ -97,9 +97,7 @@ class CopyEngineRowsExchange(AllToAllExchange):
         # On a stream of its own, so that what the caller queues next (the own rows'
         # placement, the landed parts' placements) runs beside the pulls.
         main = torch.cuda.current_stream(out.device)
-        if getattr(self, "_pull_stream", None) is None:
-            self._pull_stream = torch.cuda.Stream(out.device)
-        side = self._pull_stream
+        side = stream_of(self, "_pull_streams", main.device)
         side.wait_stream(main)
         parts = []
         # set_stream rather than the stream context: fewer host microseconds before the

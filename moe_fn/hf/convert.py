@@ -394,7 +394,9 @@ def _find_blocks(model, block_cls, pattern) -> list[tuple[str, nn.Module]]:
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, block_cls)]
     for n, m in blocks:
         if isinstance(m, ConvertedBlock):
-            raise ValueError(f"{n or 'the model'} is already converted")
+            raise ValueError(f"{n or 'the model'} is already converted: convert() runs once "
+                             "per model, with one set of options for every block it "
+                             "converts (moe_layer_pattern included); convert a fresh copy")
     if pattern is None:
         if not blocks:
             raise ValueError(f"the model has no {block_cls.__name__} module to convert")

@@ -28,8 +28,23 @@ def _run(combine_impl, world=1, rank=0):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def test_fused_combine_matches_eager_single_rank():
-    for a, b in zip(_run("eager"), _run("fused")):
+def test_fused_combine_matches_eager_single_rank(monkeypatch):
+    """The same numbers, and the fused path is the one that ran: the routing weights enter
+    the fused sum at home (one weighted gather-sum per forward) and the dispatch's backward
+    sums each token's row gradients in the unweighted one; the eager run uses neither."""
+    import moe_fn.kernels as kernels
+
+    calls = []
+    for name in ("weighted_gather_sum_fwd", "gather_sum_fwd"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name)
+                            or _real(*a, **kw))
+    eager = _run("eager")
+    assert calls == []
+    fused = _run("fused")
+    assert calls == ["weighted_gather_sum_fwd", "gather_sum_fwd"], calls
+    for a, b in zip(eager, fused):
         torch.testing.assert_close(a, b)
 
 

@@ -81,14 +81,23 @@ def _cfg(**kw):
     dict(router_bias=True, expert_bias=True, score_func="softmax_topk", norm_topk_prob=False,
          activation="swiglu_oai", gate_up_layout="interleaved"),
     dict(expert_bias=True, gate_up_impl="separate", row_weighting_impl="fused"),
+    # DeepSeek-V3 / MiniMax: a score-correction bias steers the choice, not the weights.
+    dict(score_correction_bias=True, score_func="sigmoid", norm_topk_prob=True),
 ])
 def test_layer_matches_naive_oracle(kw):
     torch.manual_seed(0)
     cfg = _cfg(**kw)
     layer = MoELayer(cfg, dtype=torch.float64)
     _randomize(layer)
+    choice_bias = None
+    if cfg.score_correction_bias:
+        choice_bias = torch.randn(4, generator=torch.Generator().manual_seed(1))
+        layer.router.e_score_correction_bias.copy_(choice_bias)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     out, logits = layer(x, return_router_logits=True)
+    if choice_bias is not None:  # the bias changed some token's choice
+        assert not torch.equal(layer.route(x.detach().reshape(-1, 8))[1],
+                               _unbiased(layer).route(x.detach().reshape(-1, 8))[1])
     g = torch.randn_like(out)
     (out * g).sum().backward()
 
@@ -96,7 +105,8 @@ def test_layer_matches_naive_oracle(kw):
             layer.router.bias, layer.experts.gate_up_proj_bias, layer.experts.down_proj_bias)
     params = [None if p is None else p.detach().clone().requires_grad_() for p in mods]
     x2 = x.detach().clone().requires_grad_()
-    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params[:3], cfg, None, *params[3:])
+    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params[:3], cfg, choice_bias,
+                                *params[3:])
     (ref.reshape(out.shape) * g).sum().backward()
     torch.testing.assert_close(out, ref.reshape(out.shape))
     torch.testing.assert_close(logits, ref_logits)
@@ -104,6 +114,13 @@ def test_layer_matches_naive_oracle(kw):
     for p, r in zip(mods, params):
         if p is not None:
             torch.testing.assert_close(p.grad, r.grad)
+
+
+def _unbiased(layer):
+    copy_ = MoELayer(layer.config, dtype=torch.float64)
+    copy_.load_state_dict(layer.state_dict())
+    copy_.router.e_score_correction_bias.zero_()
+    return copy_
 
 
 def _randomize(layer):

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from attrs import evolve as attrs_evolve
 from torch import nn
 
 import moe_fn
@@ -136,12 +137,55 @@ def _check_cases(world, rank=0, **exchange_kw):
     assert routes_changed
 
 
+def _check_recompute_routes_as_the_forward_did(world, rank=0, **kw):
+    """Between a checkpointed forward and its backward the score-correction bias (choice
+    only) moves to favour other experts: the recompute must still route as the forward
+    did. Within an ordinary step a fresh choice would equal the recorded one, so this is
+    what tells replay from routing again."""
+    cfg = _cfg(world, score_correction_bias=True, **kw)
+    gen = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(8, H, generator=gen, dtype=torch.float64)
+    g = torch.randn(8, H, generator=gen, dtype=torch.float64)
+
+    def grads(mode, skip=False, move_bias=False):
+        torch.manual_seed(0)
+        layer = MoELayer(attrs_evolve(cfg, skip_recompute_combine=skip), dtype=torch.float64)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
+        a = x.clone().requires_grad_()
+        if mode == "none":
+            out = layer(a)
+        else:
+            out = moe_fn.checkpoint(lambda t: t + layer(t), a,
+                                    use_reentrant=mode == "reentrant") - a
+        before = layer.route(a.detach())[1]
+        if move_bias:
+            with torch.no_grad():  # the experts chosen least now win every choice
+                layer.router.e_score_correction_bias.copy_(
+                    -100.0 * torch.bincount(before.flatten(), minlength=E).float())
+            assert not torch.equal(layer.route(a.detach())[1], before)
+        (out * g).sum().backward()
+        return [a.grad] + [p.grad for p in layer.parameters()]
+
+    want = grads("none")
+    for mode, skip in [("reentrant", False), ("reentrant", True), ("non_reentrant", False)]:
+        for got_g, want_g in zip(grads(mode, skip, move_bias=True), want):
+            torch.testing.assert_close(got_g, want_g, msg=f"{mode} skip={skip}")
+
+
 @pytest.mark.filterwarnings("ignore:skip_recompute_combine=True does not apply")
 def test_replay_matches_unchecked_single_process():
     _check_cases(1)
 
 
+def test_the_recompute_routes_as_the_forward_did():
+    _check_recompute_routes_as_the_forward_did(1)
+
+
 def _ep_body(rank, world):
+    _check_recompute_routes_as_the_forward_did(world, rank)
+    _check_recompute_routes_as_the_forward_did(world, rank, all_to_all_dedup=True)
     _check_cases(world, rank)
     _check_cases(world, rank, all_to_all_dedup=True)
     _check_cases(world, rank, all_to_all_transport="symm_mem")

@@ -17,6 +17,7 @@ TOKENS = {2: [6, 4], 3: [5, 0, 7]}  # world 3: a rank without tokens of its own
 
 
 def _body(rank, world, tokens):
+    import moe_fn.functional
     import moe_fn.kernels as kernels
     from moe_fn.kernels import gather_sum
 
@@ -41,6 +42,13 @@ def _body(rank, world, tokens):
         calls.append(("sum" if kw.get("own") is None else "sum_own")
                      + ("" if kw.get("values") is None else "_values"))
         return real_sum(*a, **kw)
+    real_row_weight = moe_fn.functional.row_weight
+
+    def row_weight(rows, *a, **kw):  # fused row weighting (its own kernel)
+        if rows.dtype != torch.float64:  # the EP layer's, not the float64 reference's
+            calls.append("row_weight")
+        return real_row_weight(rows, *a, **kw)
+    moe_fn.functional.row_weight = row_weight
     gather_sum.launch_gather_sum = gather_sum_
     gather_sum.launch_copy_rows = copy_rows
     gather_sum.launch_weighted_gather_sum_bwd = weighted_bwd
@@ -75,13 +83,15 @@ def _body(rank, world, tokens):
                 assert calls == ["copy_rows_values", "copy_rows_values", "sum_own",
                                  "copy_rows", "copy_rows", "sum_own_values",
                                  "copy_rows_values", "copy_rows_values", "sum_own"], calls
-            elif "row_weighting_impl" not in kw:
+            else:
                 # The dispatch places own rows and arrivals with their routing weights (the
-                # experts apply them: the eager combine sums unweighted); so does the
-                # combine's backward, a dispatch of the output gradient, without weights.
-                # The eager sums are torch ops.
+                # expert side applies them: the eager combine sums unweighted; fused row
+                # weighting in its kernel, once per forward); so does the combine's
+                # backward, a dispatch of the output gradient, without weights. The eager
+                # sums are torch ops.
                 moves = ["copy_rows_values"] * 2
-                assert calls == [*moves, "copy_rows", "copy_rows", *moves], calls
+                rw = ["row_weight"] if kw.get("row_weighting_impl") == "fused" else []
+                assert calls == [*moves, *rw, "copy_rows", "copy_rows", *moves, *rw], calls
 
 
 

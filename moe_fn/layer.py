@@ -185,7 +185,7 @@ class MoELayer(nn.Module):
             for p in (self.router.weight, self.experts.gate_up_proj, self.experts.down_proj):
                 p.normal_(0.0, std)
             for p in (self.router.bias, self.experts.gate_up_proj_bias,
-                      self.experts.down_proj_bias):
+                      self.experts.down_proj_bias, self.router.e_score_correction_bias):
                 if p is not None:
                     p.zero_()
 
@@ -260,23 +260,30 @@ class MoELayer(nn.Module):
             ("experts.gate_up_proj_bias", "expert_bias", c.expert_bias, (e_loc, 2 * i)),
             ("experts.down_proj_bias", "expert_bias", c.expert_bias, (e_loc, h))))
 
-    def _check_parameters(self, x) -> None:
+    def _check_parameters(self, x, amp=None) -> None:
         """The parameters against the config and ``x`` (a module's parameters can be
-        replaced or moved piecemeal): shapes, one dtype, one device. The common case is a
-        few comparisons (host time on every call); ``_explain_parameters`` says what
-        differs."""
+        replaced or moved piecemeal): shapes, one dtype, one device. Under autocast
+        (``amp``, its dtype) each may also be float32, which the forward casts. The common
+        case is a few comparisons (host time on every call); ``_explain_parameters`` says
+        what differs."""
         w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
         b = self.router.bias
-        dt, dev = x.dtype, x.device
-        if (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
-                and gu.device == dev and dn.device == dev and w.device == dev
+        dt, dev = amp or x.dtype, x.device
+        if amp is not None:  # the casts in route() and expert_weights() make them agree
+            w_dt = self.router_input_dtype(amp)
+            ok = all(t is None or t.dtype in (torch.float32, want)
+                     for t, want in ((gu, dt), (dn, dt), (w, w_dt), (b, w_dt)))
+        else:
+            ok = (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
+                  and (b is None or b.dtype == w.dtype))
+        if (ok and gu.device == dev and dn.device == dev and w.device == dev
                 and (w.shape, gu.shape, dn.shape) == self._param_shapes
-                and (b is None or (b.dtype == w.dtype and b.device == dev))):
-            self._check_biases(b, dt, dev)
+                and (b is None or b.device == dev)):
+            self._check_biases(b, dt, dev, amp)
             return
-        self._explain_parameters(x, (w, gu, dn), b)
+        self._explain_parameters(x, (w, gu, dn), b, amp)
 
-    def _check_biases(self, router_bias, dtype, device) -> None:
+    def _check_biases(self, router_bias, dtype, device, amp=None) -> None:
         """The biases the config asks for are there, with their shapes, and no others: a
         missing one would silently drop a term, an extra one silently add (or be ignored).
         (A view of other modules' experts may not define absent biases at all.) The
@@ -288,7 +295,7 @@ class MoELayer(nn.Module):
         expected = self._bias_spec
         if all(t is None if shape is None else
                (t is not None and t.shape == shape and t.device == device
-                and (i < 2 or t.dtype == dtype))
+                and (i < 2 or t.dtype == dtype or (amp and t.dtype == torch.float32)))
                for i, (t, (_, _, shape)) in enumerate(zip(found, expected))):
             return
         for i, (t, (name, option, shape)) in enumerate(zip(found, expected)):
@@ -306,23 +313,30 @@ class MoELayer(nn.Module):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but x is on {device}: move the "
                                  "layer to x's device (layer.to(x.device))")
-            if i >= 2 and t.dtype != dtype:
+            if i >= 2 and t.dtype != dtype and not (amp and t.dtype == torch.float32):
                 raise TypeError(f"{name} is {t.dtype} but x is {dtype}: the experts' biases "
                                 "take x's dtype (layer.to(x.dtype))")
 
-    def _explain_parameters(self, x, params, bias) -> None:
+    def _explain_parameters(self, x, params, bias, amp=None) -> None:
         for name, p, shape in zip(self._PARAMS, params, self._param_shapes):
             if tuple(p.shape) != shape:
                 raise ValueError(f"{name} must be {shape} for this config, got "
                                  f"{tuple(p.shape)}")
-        router_in = self.router_input_dtype(x.dtype)
+        dt = amp or x.dtype
+        router_in = self.router_input_dtype(dt)
         for name, p, dtype in zip((*self._PARAMS, "router.bias"), (*params, bias),
-                                  (router_in, x.dtype, x.dtype, router_in)):
+                                  (router_in, dt, dt, router_in)):
             if p is None:
                 continue
-            if p.dtype != dtype:
-                raise TypeError(f"x has dtype {x.dtype} but {name} is {p.dtype}: keep the "
-                                "layer in one dtype (layer.to(dtype)) and cast x to it")
+            if amp is not None and p.dtype not in (dtype, torch.float32):
+                raise TypeError(f"under torch.autocast({amp}) {name} is {p.dtype}: the "
+                                f"layer's parameters must be float32 or {dtype}")
+            if amp is None and p.dtype != dtype:
+                raise TypeError(
+                    f"x has dtype {x.dtype} but {name} is {p.dtype}: keep the layer in one "
+                    "dtype (layer.to(dtype)) and cast x to it; for mixed precision (float32 "
+                    "parameters, lower-precision compute, e.g. FSDP2's param_dtype with the "
+                    "experts ignored) run the forward under torch.autocast")
             if p.device != x.device:
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
                                  "or the layer (layer.to(device))")
@@ -490,8 +504,8 @@ class MoELayer(nn.Module):
         if x.dim() == 0 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
-        self._check_parameters(x)
         amp = _autocast_dtype(x)
+        self._check_parameters(x, amp)
         if amp is not None:
             # Under torch.autocast the layer runs as one in autocast's dtype: x and the
             # parameters cast to it (differentiably: float32 gradients reach float32
@@ -534,14 +548,15 @@ def _cast(t, dtype):
 
 def _autocast_dtype(x: torch.Tensor):
     """The dtype ``torch.autocast`` lowers float32 matmuls to on ``x``'s device, where it is
-    on and ``x`` is float32 (it leaves other dtypes alone); else None."""
+    on and ``x`` is float32 or already in that dtype (the output of a lowered op); else
+    None (autocast leaves other dtypes alone)."""
     kind = x.device.type
-    if x.dtype != torch.float32 or not torch.amp.is_autocast_available(kind):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    if not torch.is_autocast_enabled(kind):
+    if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
         return None
     amp = torch.get_autocast_dtype(kind)
-    return None if amp == torch.float32 else amp
+    return amp if amp != torch.float32 and x.dtype in (torch.float32, amp) else None
 
 
 def _reads_skipped_combine(x: torch.Tensor) -> bool:

@@ -110,6 +110,31 @@ def test_autocast_leaves_other_dtypes_and_devices_alone():
         assert torch.equal(low(x.bfloat16()), _lowered(layer, torch.bfloat16)(x.bfloat16()))
 
 
+def test_autocast_takes_an_input_already_lowered_and_parameters_some_lowered():
+    """Under autocast the layer's input may come straight from a lowered op (bf16) and
+    some parameters may already be bf16 (FSDP2's param_dtype casts the router it shards,
+    not the experts it ignores): the layer still runs as its bf16 copy."""
+    layer = _layer({})
+    x, g = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    lowered_input = lambda m, a: m(a.bfloat16(), return_router_logits=True)  # noqa: E731
+    _assert_same_as_lowered(layer, x, g, torch.bfloat16, lowered_input)
+    with torch.no_grad():
+        layer.router.weight.data = layer.router.weight.data.bfloat16()
+    want = _lowered(layer, torch.bfloat16)(x.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x.bfloat16()), want)
+        assert torch.equal(layer(x), want)
+    # Without autocast the mixture is refused, and the error names the way out.
+    with pytest.raises(TypeError, match="run the forward under torch.autocast"):
+        layer(x.bfloat16())
+    # Under bf16 autocast a float16 parameter is neither float32 nor bf16.
+    layer.experts.down_proj.data = layer.experts.down_proj.data.half()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"experts.down_proj is torch.float16: the layer's parameters "
+                             r"must be float32 or torch.bfloat16"):
+        layer(x)
+
+
 def _ep_body(rank, world):
     for kw in (dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
                dict(all_to_all_transport="copy_engine"), dict(overlap_weight_grad=True)):

@@ -547,3 +547,23 @@ def test_cached_dispatch_of_other_tokens_is_refused():
     layer.exchange.dispatch_fwd(x, w, handle, cached=True)  # the same tokens: fine
     with pytest.raises(ValueError, match="must move the 6 tokens its handle was made for"):
         layer.exchange.dispatch_fwd(x[:5], w[:5], handle, cached=True)
+
+
+def test_reset_parameters_after_meta_construction_zeroes_the_choice_bias():
+    """Built on the meta device, then given memory with to_empty() and initialised with
+    reset_parameters(), a layer routes as one built directly (the score-correction bias
+    is state the reset owns, not leftover memory)."""
+    cfg = _cfg(score_correction_bias=True, score_func="sigmoid", router_bias=True,
+               expert_bias=True)
+    torch.manual_seed(0)
+    direct = MoELayer(cfg)
+    with torch.device("meta"):
+        meta = MoELayer(cfg)
+    meta = meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in meta.buffers():
+            t.fill_(float("nan"))  # whatever memory to_empty handed out
+    torch.manual_seed(0)
+    meta.reset_parameters()
+    for (n, a), (_, b) in zip(direct.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), n

@@ -174,6 +174,36 @@ def test_overlap_matches_serial_and_keeps_order(world):
     run_distributed(_body, world)
 
 
+def _second_backward_body(rank, world):
+    """Through a retained graph a second backward (retain_graph=True twice; autograd.grad
+    of the input, as a gradient penalty takes it, then backward) gives with the overlap
+    what it gives without."""
+    def run(overlap, second):
+        layer = _layer(world, rank, 5, overlap_weight_grad=overlap)
+        x = torch.randn(7 + rank, H, generator=torch.Generator().manual_seed(rank))
+        x.requires_grad_()
+        loss = (layer(x) * torch.linspace(-1, 1, H)).sum()
+        if second == "twice":
+            loss.backward(retain_graph=True)
+            loss.backward()
+            dx = x.grad
+        else:
+            (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+            loss.backward()
+            assert torch.equal(x.grad, dx)
+        return [dx] + [p.grad for p in layer.parameters()]
+
+    for second in ("twice", "grad then backward"):
+        serial, overlapped = run(False, second), run(True, second)
+        for a, b in zip(serial, overlapped):
+            assert torch.equal(a, b), second
+
+
+@pytest.mark.multiproc
+def test_overlap_under_a_second_backward():
+    run_distributed(_second_backward_body, 2)
+
+
 def test_config_rejects_overlap_without_expert_parallelism():
     with pytest.raises(ValueError, match="ep_size=1"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
@@ -190,6 +220,8 @@ def test_slot_misuse_raises():
     assert slot.drain() == 1
     with pytest.raises(RuntimeError, match="is drained"):
         slot.drain()
+    slot.fill(3)  # a second backward through the retained graph fills it again
+    assert slot.drain() == 3
 
 
 def test_sm_carveout_restores_on_exception():

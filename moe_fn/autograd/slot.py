@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 class WeightGradSlot:
-    """Filled once by the experts' backward with what the dW GEMMs need; drained once by
-    the dispatch backward, which runs those GEMMs while the combine of dX is in flight."""
+    """Filled by the experts' backward with what the dW GEMMs need; drained by the
+    dispatch backward, which runs those GEMMs while the combine of dX is in flight (once
+    per backward through the graph)."""
 
     __slots__ = ("_work", "_state")
 
@@ -14,7 +15,9 @@ class WeightGradSlot:
         self._state = "empty"
 
     def fill(self, work) -> None:
-        if self._state != "empty":
+        # "drained": a second backward through a retained graph (retain_graph=True) runs
+        # the experts' and the dispatch's backward again, filling and draining in turn.
+        if self._state == "filled":
             raise RuntimeError(
                 "moe_fn overlap_weight_grad: the weight-gradient slot was filled twice; the "
                 "previous backward's weight gradients were never drained by the dispatch "
@@ -25,7 +28,7 @@ class WeightGradSlot:
         if self._state != "filled":
             raise RuntimeError(
                 f"moe_fn overlap_weight_grad: the weight-gradient slot is {self._state}; each "
-                "slot is filled by one experts backward and drained by one dispatch backward "
-                "(a second backward through the same graph is not supported)")
+                "dispatch backward drains what the experts' backward before it filled (was "
+                "the dispatch's output detached from the experts' input?)")
         work, self._work, self._state = self._work, None, "drained"
         return work

@@ -178,3 +178,12 @@ def _defaults(jit) -> dict:
         if default is not inspect.Parameter.empty:
             out[p.name] = default
     return out
+
+
+def int32_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its last dimension's offsets (column index times
+    column stride, int32 in the kernels that take any strides) would pass 2**31 - 1: a
+    column-strided view (a transpose) of over ~2**31 / width rows."""
+    if t.dim() and (t.shape[-1] - 1) * abs(t.stride(-1)) >= 2**31:
+        return t.contiguous()
+    return t

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .._checks import env_flag
 from ..pure.activations import LAYOUT_ID, split_packed
-from ._launch import cdiv, launch, next_pow2
+from ._launch import cdiv, int32_columns, launch, next_pow2
 from ._registry import KERNEL_DTYPES
 
 
@@ -271,6 +271,7 @@ def _operands(g, u, paired_src):
     """Base pointers and (row, column) strides of gate and up: the views themselves, or
     for the paired path the interleaved source both are read from in one tile."""
     if paired_src is None:
+        g, u = int32_columns(g), int32_columns(u)
         return g, u, (*g.stride(), *u.stride())
     return paired_src, paired_src, (paired_src.stride(0), 1, paired_src.stride(0), 1)
 
@@ -303,6 +304,7 @@ def _bwd(g, u, weights, dh, act_id, alpha, limit, *, dg, du, need_dw, paired_src
         return dw
     w, s_w = _w_args(weights, g)
     gp, up, (s_gr, s_gc, s_ur, s_uc) = _operands(g, u, paired_src)
+    dh = int32_columns(dh)
     out0 = paired_out if paired_out is not None else (dg if dg is not None else g)
     out1 = du if du is not None else g
     s_dgr = out0.stride(0)

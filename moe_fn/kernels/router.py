@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..pure.router import NORM_EPS
-from ._launch import cdiv, launch, next_pow2
+from ._launch import cdiv, int32_columns, launch, next_pow2
 from ._registry import KERNEL_DTYPES
 from .activation import interpreting
 
@@ -219,6 +219,7 @@ def launch_router_fwd(logits: torch.Tensor, bias: torch.Tensor | None = None, *,
     Expert groups need ``groups_supported(E, n_group)``."""
     if logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"router kernel takes float16/bfloat16/float32 logits, got {logits.dtype}")
+    logits = int32_columns(logits)
     t, e = logits.shape
     block_e = next_pow2(e)
     block_t = max(1, min(64, _TILE // block_e, next_pow2(t)))

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import int32_columns
 from .activation import _CONFIGS, _check_kernel_dtype, _launch, _prune
 
 
@@ -69,6 +70,7 @@ _bwd_tuned = triton.autotune(_CONFIGS, key=["H", "NEED_DX", "NEED_DW"],
 def launch_row_weight_fwd(rows, weights):
     """Triton ``rows * weights[:, None]`` on any device (CPU needs TRITON_INTERPRET=1)."""
     _check_kernel_dtype(rows, "rows")
+    rows = int32_columns(rows)
     n, h = rows.shape
     out = torch.empty((n, h), dtype=rows.dtype, device=rows.device)
     if n == 0 or h == 0:
@@ -82,6 +84,7 @@ def launch_row_weight_fwd(rows, weights):
 def launch_row_weight_bwd(rows, weights, d_out, needs=(True, True)):
     """Returns ``(d_rows | None, d_weights | None)``."""
     _check_kernel_dtype(rows, "rows")
+    rows, d_out = int32_columns(rows), int32_columns(d_out)
     n, h = rows.shape
     dx = torch.empty((n, h), dtype=rows.dtype, device=rows.device) if needs[0] else None
     dw = torch.empty((n,), dtype=weights.dtype, device=rows.device) if needs[1] else None

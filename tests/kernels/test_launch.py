@@ -337,3 +337,61 @@ def test_hook_detection_on_this_triton():
         finally:
             knobs.runtime.launch_enter_hook = hook
     assert not _launch._hooks_set()
+
+
+def test_column_offsets_past_int32_get_a_contiguous_copy():
+    """The kernels that take any strides multiply column index by column stride in int32:
+    a column-strided view whose last column lies 2**31 elements or more from its first is
+    copied contiguous first (meta tensors: the sizes without the memory)."""
+    from moe_fn.kernels._launch import int32_columns
+
+    near = torch.empty_strided((4, 17), (1, 2**27 - 1), device="meta")  # 16 * stride < 2**31
+    far = torch.empty_strided((4, 17), (1, 2**27), device="meta")  # column 16 at 2**31
+    assert int32_columns(near) is near
+    copied = int32_columns(far)
+    assert copied.shape == far.shape and copied.is_contiguous()
+    row_major = torch.empty((2**20, 3000), device="meta")  # large, but unit column stride
+    assert int32_columns(row_major) is row_major
+
+
+@pytest.mark.parametrize("kernel", ["swiglu_bwd", "row_weight_fwd", "row_weight_bwd",
+                                    "router_fwd"])
+def test_strided_operands_pass_through_the_int32_column_guard(monkeypatch, kernel):
+    """Every launcher hands its caller-strided operands to int32_columns (a spy here) and
+    computes with what it returns."""
+    from moe_fn.kernels import activation, router, row_weight
+
+    seen = []
+
+    def spy(t):
+        seen.append(tuple(t.shape))
+        return t.contiguous()
+    for mod in (activation, router, row_weight):
+        monkeypatch.setattr(mod, "int32_columns", spy)
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(6, 5, generator=g).t()  # (5, 6), column stride 5
+    other = torch.randn(5, 6, generator=g)
+    w = torch.rand(5, generator=g)
+    if kernel == "swiglu_bwd":
+        dg, du, _ = activation.launch_swiglu_bwd(other, other.clone(), None, t, 0, 0.0, 0.0,
+                                                 needs=(True, True, False))
+        want = activation_pure_bwd(other, t)
+        torch.testing.assert_close(dg, want[0])
+        torch.testing.assert_close(du, want[1])
+    elif kernel == "row_weight_fwd":
+        torch.testing.assert_close(row_weight.launch_row_weight_fwd(t, w), t * w[:, None])
+    elif kernel == "row_weight_bwd":
+        dx, dw = row_weight.launch_row_weight_bwd(t, w, t)
+        torch.testing.assert_close(dx, t * w[:, None])
+        torch.testing.assert_close(dw, (t * t).sum(1))
+    else:
+        idx, *_ = router.launch_router_fwd(t, None, top_k=2, score_id=0, norm=False, scale=1.0)
+        assert torch.equal(idx.sort(1).values, t.softmax(-1).topk(2).indices.sort(1).values)
+    assert (5, 6) in seen, seen
+
+
+def activation_pure_bwd(gate, dh):
+    """d(silu(gate) * up)/d(gate, up) at up = gate, written out."""
+    s = torch.sigmoid(gate)
+    silu = gate * s
+    return dh * gate * s * (1 + gate * (1 - s)), dh * silu

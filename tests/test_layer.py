@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.comm import base
+from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 
 
@@ -260,7 +261,7 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=tor
     out_all = ref(x_all)
     (out_all * torch.cat(gs)).sum().backward()
 
-    cfg = _cfg(**kw, comm_backend="all_to_all", ep_size=world, **(exchange_kw or {}))
+    cfg = _cfg(**{**kw, "comm_backend": "all_to_all", "ep_size": world, **(exchange_kw or {})})
     layer = MoELayer(cfg, dtype=dtype)
     e_local = cfg.num_local_experts
     sl = slice(rank * e_local, (rank + 1) * e_local)
@@ -281,6 +282,9 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=tor
 
     def assert_close(got, want):
         tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        if dtype == torch.float64 and cfg.comm_backend == "deepep":
+            # DeepEP's API carries routing weights (and their gradients) as float32.
+            tol = dict(rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got, want.to(dtype), **tol)
     start = sum(tokens_per_rank[:rank])
     rows = slice(start, start + tokens_per_rank[rank])
@@ -325,6 +329,7 @@ EP_CASES = [
 
 
 def _ep_body(rank, world, tokens_per_rank):
+    fake_deep_ep.install()  # comm_backend="deepep" over gloo, in this process
     # One process group runs every case: spawning processes dominates the test's time.
     for exchange_kw in EXCHANGES:
         for n, kw in enumerate(EP_CASES):
@@ -340,7 +345,10 @@ def _ep_body(rank, world, tokens_per_rank):
 EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
              dict(all_to_all_transport="symm_mem", combine_impl="fused"),
              dict(combine_impl="fused"), dict(all_to_all_transport="copy_engine"),
-             dict(all_to_all_transport="copy_engine", combine_impl="fused")]
+             dict(all_to_all_transport="copy_engine", combine_impl="fused"),
+             # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
+             # in its sums) over tests/fake_deep_ep.py's stand-in for its Buffer.
+             dict(comm_backend="deepep")]
 
 
 TOKENS = {2: [6, 4], 4: [5, 3, 0, 6], 8: [5, 3, 0, 6, 2, 7, 1, 4]}

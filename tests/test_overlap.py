@@ -13,6 +13,7 @@ import moe_fn.autograd.routing as routing
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.slot import WeightGradSlot
 from moe_fn.comm.base import sm_carveout
+from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 
 H, I, E = 8, 6, 8
@@ -20,7 +21,8 @@ H, I, E = 8, 6, 8
 
 def _layer(world, rank, seed, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2,
-                    comm_backend="all_to_all", ep_size=world, score_correction_bias=True, **kw)
+                    **{"comm_backend": "all_to_all", "ep_size": world,
+                       "score_correction_bias": True, **kw})
     layer = MoELayer(cfg)
     g = torch.Generator().manual_seed(seed)
     el = cfg.num_local_experts
@@ -93,8 +95,8 @@ def _check_gradients(rank, world):
 
 
 def _check_gradients_other_exchange(rank, world, **exchange_kw):
-    """The token-once all_to_all (all_to_all_dedup) and the symm_mem and copy-engine
-    transports: the same guarantees."""
+    """The token-once all_to_all (all_to_all_dedup), the symm_mem and copy-engine
+    transports and DeepEP: the same guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
@@ -166,6 +168,10 @@ def _body(rank, world):
         _check_gradients_other_exchange(rank, world, all_to_all_transport="copy_engine",
                                         combine_impl=combine_impl)
     _check_order_and_failure(rank, world, all_to_all_transport="copy_engine")
+    if world in fake_deep_ep.INTRANODE_RANKS:  # DeepEP's own exchange, over its stand-in
+        fake_deep_ep.install()
+        _check_gradients_other_exchange(rank, world, comm_backend="deepep")
+        _check_order_and_failure(rank, world, comm_backend="deepep")
 
 
 @pytest.mark.multiproc

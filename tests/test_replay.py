@@ -12,6 +12,7 @@ from torch import nn
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
+from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 
 H, I, E = 8, 6, 4
@@ -94,15 +95,17 @@ CASES.append(dict(score_apply="post", row_weighting_impl="fused", combine_impl="
 
 def _cfg(world, **kw):
     backend = dict(comm_backend="all_to_all", ep_size=world) if world > 1 else {}
-    return MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, **backend,
-                     **kw)
+    return MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2,
+                     **{**backend, **kw})
 
 
 def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
     cases = [dict(c, **exchange_kw) for c in CASES
-             # The token-once exchange combines in its own one-pass sums.
-             if not (exchange_kw.get("all_to_all_dedup") and c.get("combine_impl") == "fused")]
+             # The token-once exchanges combine in their own one-pass sums.
+             if not ((exchange_kw.get("all_to_all_dedup")
+                      or exchange_kw.get("comm_backend") == "deepep")
+                     and c.get("combine_impl") == "fused")]
     for kw in cases:
         ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
         for mode, skip in [("reentrant", False), ("reentrant", True),
@@ -184,9 +187,12 @@ def test_the_recompute_routes_as_the_forward_did():
 
 
 def _ep_body(rank, world):
+    fake_deep_ep.install()
     _check_recompute_routes_as_the_forward_did(world, rank)
     _check_recompute_routes_as_the_forward_did(world, rank, all_to_all_dedup=True)
+    _check_recompute_routes_as_the_forward_did(world, rank, comm_backend="deepep")
     _check_cases(world, rank)
+    _check_cases(world, rank, comm_backend="deepep")
     _check_cases(world, rank, all_to_all_dedup=True)
     _check_cases(world, rank, all_to_all_transport="symm_mem")
 

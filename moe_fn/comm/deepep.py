@@ -153,7 +153,9 @@ class DeepEPExchange(TokenRowsExchange):
         return out
 
     def _tokens_to_experts(self, d_out, handle: DeepEPHandle):
-        d_recv, *_ = self.buffer.dispatch(d_out.to(torch.bfloat16).contiguous(),
+        if d_out.is_cuda:  # DeepEP carries bf16 rows (a float32 gradient handed in, too)
+            d_out = d_out.to(torch.bfloat16)
+        d_recv, *_ = self.buffer.dispatch(d_out.contiguous(),
                                           handle=handle.deepep_handle,
                                           config=self.dispatch_config)
         return d_recv

@@ -36,6 +36,7 @@ float32; MiniMax casts the input to the router weight's dtype.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 import attrs
@@ -166,8 +167,10 @@ class Preset:
 
     name: the preset's name; model_types: the ``config.model_type`` values it serves.
     module: the transformers modeling module; block_class: the block's class name in it.
-    router_attr / experts_attr: the block's children. bias_attr: dotted path (from the
-    block) of the ``e_score_correction_bias`` buffer, or None.
+    router_attr / experts_attr: the block's children. router_weight: dotted path (from the
+    router) of its weight (HunYuan: ``wg.weight``). bias_attr: dotted path (from the
+    block) of the ``e_score_correction_bias`` buffer (a ``(1, E)`` one, ERNIE's, is read as
+    its ``(E,)`` view), or None.
     router_dtype: None (logits in the weight's dtype from the input as it comes),
     "float32" (input and weight cast to float32, DeepSeek), "weight" (input cast to the
     weight's dtype, MiniMax). transposed: the experts store ``gate_up_proj (E, H, 2I)`` and
@@ -175,7 +178,9 @@ class Preset:
     Router and expert biases (GPT-OSS: ``router.bias``, ``experts.gate_up_proj_bias``,
     ``experts.down_proj_bias``) are read when ``routing`` sets ``router_bias`` /
     ``expert_bias``. routing: HF text config -> MoEConfig fields. forward:
-    ``(block, hidden_states, routed) -> what HF's block returns``.
+    ``(block, hidden_states, routed) -> what HF's block returns``. check: None, or
+    ``(block) -> None | reason``: a reason refuses that block (before any is converted),
+    for a block whose own settings the MoELayer cannot compute (Step-3.7's clamped layers).
     """
 
     name: str
@@ -185,11 +190,20 @@ class Preset:
     routing: Callable
     forward: Callable
     router_attr: str = "gate"
+    router_weight: str = "weight"
     experts_attr: str = "experts"
     bias_attr: str | None = None
     router_dtype: str | None = None
     transposed: bool = False
+    check: Callable | None = None
     min_transformers: str = "5.0.0"
+
+    def available(self) -> bool:
+        """Whether the installed transformers has this preset's modeling module."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ImportError:  # pragma: no cover - a missing parent package
+            return False
 
     def modeling(self):
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from moe_fn.hf import PRESETS
+
 VOCAB = 64
 SEQ = 8
 BATCH = 2
@@ -113,6 +115,24 @@ FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _q
              "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
              "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss}
 SUPPORTED = list(FACTORIES)
+
+
+def available(name: str) -> bool:
+    """Whether the installed transformers has the preset's model (newer ones, e.g.
+    qwen3_5_moe or minimax_m3, are missing from older transformers: their tests skip)."""
+    return PRESETS[name].available()
+
+
+AVAILABLE = [n for n in SUPPORTED if available(n)]
+
+
+def preset_params(names):
+    """``names`` as pytest parameters, each skipped where transformers lacks its model."""
+    import pytest
+
+    return [pytest.param(n, marks=pytest.mark.skipif(
+        not available(n), reason=f"{n} needs transformers >= {PRESETS[n].min_transformers}"))
+        for n in names]
 
 
 def make_model(name: str, seed: int = 0):

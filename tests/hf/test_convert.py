@@ -15,6 +15,7 @@ from tests.hf.models import (
     assert_outputs_close,
     batch,
     make_model,
+    preset_params,
     run,
 )
 
@@ -45,7 +46,7 @@ def _assert_grads_equal(conv, ref, name):
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("name", preset_params(SUPPORTED))
 def test_matches_hf(name, ckpt):
     _check_matches_hf(name, ckpt)
 
@@ -148,7 +149,7 @@ def test_bfloat16_with_float32_router(name):
         assert err <= 2 * hf_err + 2**-8 * exact.abs().max(), (float(err), float(hf_err))
 
 
-@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("name", preset_params(SUPPORTED))
 def test_autocast_block_within_bfloat16_rounding(name):
     """Under torch.autocast (bf16) a converted block runs forward and backward, and its
     output and every gradient (input, its parameters: float32, as they are) lie within a

@@ -19,6 +19,13 @@ glm4_moe       sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
 minimax_m2     sigmoid    always     -                            block   swiglu
 minimax_m3     sigmoid    always     -                            gate    swiglu_oai
 gpt_oss        softmax_topk  -       -                            -       swiglu_oai (interleaved)
+qwen3_next     softmax    config     -                            -       swiglu
+qwen3_vl_moe   softmax    always     -                            -       swiglu
+deepseek_v32   sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+glm4_moe_lite  sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+dots1          sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+ernie4_5_moe   softmax    always     -                            gate    swiglu
+hunyuan_v1_moe softmax    always     -                            -       swiglu
 =============  =========  =========  ===========================  ======  ==============
 
 GPT-OSS also has a router bias (``router.bias``, added to the logits) and per-expert biases
@@ -27,10 +34,20 @@ inside the routing weight, hence ``score_apply="post"`` only), and stores its ex
 transposed (``gate_up_proj (E, H, 2I)``, ``down_proj (E, I, H)``), which the MoELayer reads as
 ``.transpose(1, 2)`` views: no copy. Its MLP returns ``(hidden, router_scores)``.
 
-``routed_scaling_factor`` is read from the config for deepseek_v2/v3, glm4_moe and
-minimax_m3 (where HF multiplies the experts' sum after the fact; the product is linear, so
-it moves into the routing weights). DeepSeek-V2/V3 and GLM-4-MoE compute router logits in
-float32; MiniMax casts the input to the router weight's dtype.
+``routed_scaling_factor`` is read from the config for deepseek_v2/v3/v32, glm4_moe,
+glm4_moe_lite, dots1 and minimax_m3 (where HF multiplies the experts' sum after the fact;
+the product is linear, so it moves into the routing weights). DeepSeek-V2/V3/V3.2,
+GLM-4-MoE(-Lite), dots1 and ERNIE-4.5-MoE compute router logits in float32; MiniMax casts
+the input to the router weight's dtype, and HunYuan-MoE too (its ``gate.wg`` is a float32
+``nn.Linear``: the router weight is at ``gate.wg.weight``).
+
+ERNIE-4.5-MoE's score-correction bias is a frozen ``(1, E)`` parameter
+(``gate.moe_statics.e_score_correction_bias``, read as its ``(E,)`` view) added to the
+softmax probabilities for the choice only; HF divides the chosen probabilities by
+``clamp(sum, min=moe_norm_min)`` where moe_fn divides by ``sum + 1e-20``: equal in float32
+while the sum is at least ``moe_norm_min`` = 1e-12 (the config's default; a larger one is
+refused), i.e. unless every chosen expert's probability underflows. Qwen3-VL-MoE's text
+blocks convert (the vision tower has no MoE).
 """
 
 from __future__ import annotations
@@ -106,6 +123,17 @@ def _routing_minimax_m3(cfg):
                 activation_limit=float(cfg.swiglu_limit))
 
 
+def _routing_ernie4_5_moe(cfg):
+    # Softmax probabilities plus the score-correction bias choose; the chosen (unbiased)
+    # probabilities are divided by clamp(sum, min=moe_norm_min): our sum + 1e-20 equals it
+    # in float32 whenever sum >= 1e-12, so a larger moe_norm_min is refused.
+    norm_min = float(getattr(cfg, "moe_norm_min", 1e-12))
+    if norm_min > 1e-12:
+        raise ValueError(f"ernie4_5_moe: moe_norm_min={norm_min} > 1e-12 floors the top-k sum "
+                         "where moe_fn divides by sum + 1e-20: not the same weights")
+    return _softmax(cfg, True) | dict(score_correction_bias=True) | _act(cfg)
+
+
 def _routing_gpt_oss(cfg):
     # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit.
     return dict(score_func="softmax_topk", norm_topk_prob=False, activation="swiglu_oai",
@@ -148,6 +176,20 @@ def forward_shared(block, hidden_states, routed):
     """DeepSeek-V2/V3, GLM-4-MoE, MiniMax-M3 (its routed_scaling_factor folded into the
     routing weights): routed + shared_experts(x)."""
     return routed(hidden_states) + block.shared_experts(hidden_states)
+
+
+def forward_optional_shared(block, hidden_states, routed):
+    """ERNIE-4.5-MoE: routed + shared_experts(x), shared experts only when the config has
+    some (moe_num_shared_experts > 0)."""
+    out = routed(hidden_states)
+    if block.shared_experts is not None:
+        out = out + block.shared_experts(hidden_states)
+    return out
+
+
+def forward_shared_mlp(block, hidden_states, routed):
+    """HunYuan-MoE: routed + shared_mlp(x)."""
+    return routed(hidden_states) + block.shared_mlp(hidden_states)
 
 
 def forward_gpt_oss(block, hidden_states, routed):
@@ -254,6 +296,24 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        min_transformers="5.15.0"),
     _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", _routing_gpt_oss, forward_gpt_oss,
        router_attr="router", transposed=True),
+    _p("qwen3_next", ["qwen3_next"], "qwen3_next", "Qwen3NextSparseMoeBlock", _routing_qwen3,
+       forward_gated_shared),
+    _p("qwen3_vl_moe", ["qwen3_vl_moe", "qwen3_vl_moe_text"], "qwen3_vl_moe",
+       "Qwen3VLMoeTextSparseMoeBlock", _routing_normalised, forward_plain),
+    _p("deepseek_v32", ["deepseek_v32"], "deepseek_v32", "DeepseekV32MoE", _routing_deepseek_v3,
+       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32",
+       min_transformers="5.11.0"),
+    _p("glm4_moe_lite", ["glm4_moe_lite"], "glm4_moe_lite", "Glm4MoeLiteMoE",
+       _routing_deepseek_v3, forward_shared, bias_attr="gate.e_score_correction_bias",
+       router_dtype="float32"),
+    _p("dots1", ["dots1"], "dots1", "Dots1MoE", _routing_deepseek_v3, forward_shared,
+       bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+    _p("ernie4_5_moe", ["ernie4_5_moe"], "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+       _routing_ernie4_5_moe, forward_optional_shared,
+       bias_attr="gate.moe_statics.e_score_correction_bias", router_dtype="float32"),
+    _p("hunyuan_v1_moe", ["hunyuan_v1_moe"], "hunyuan_v1_moe", "HunYuanMoEV1Moe",
+       _routing_normalised, forward_shared_mlp, router_weight="wg.weight",
+       router_dtype="weight"),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

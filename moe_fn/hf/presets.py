@@ -26,6 +26,7 @@ glm4_moe_lite  sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
 dots1          sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
 ernie4_5_moe   softmax    always     -                            gate    swiglu
 hunyuan_v1_moe softmax    always     -                            -       swiglu
+step3p7        sigmoid    always     -                            gate    swiglu
 =============  =========  =========  ===========================  ======  ==============
 
 GPT-OSS also has a router bias (``router.bias``, added to the logits) and per-expert biases
@@ -35,11 +36,12 @@ transposed (``gate_up_proj (E, H, 2I)``, ``down_proj (E, I, H)``), which the MoE
 ``.transpose(1, 2)`` views: no copy. Its MLP returns ``(hidden, router_scores)``.
 
 ``routed_scaling_factor`` is read from the config for deepseek_v2/v3/v32, glm4_moe,
-glm4_moe_lite, dots1 and minimax_m3 (where HF multiplies the experts' sum after the fact;
-the product is linear, so it moves into the routing weights). DeepSeek-V2/V3/V3.2,
-GLM-4-MoE(-Lite), dots1 and ERNIE-4.5-MoE compute router logits in float32; MiniMax casts
-the input to the router weight's dtype, and HunYuan-MoE too (its ``gate.wg`` is a float32
-``nn.Linear``: the router weight is at ``gate.wg.weight``).
+glm4_moe_lite, dots1 and minimax_m3, and step3p7's ``moe_router_scaling_factor`` (where HF
+multiplies the experts' sum after the fact; the product is linear, so it moves into the
+routing weights). DeepSeek-V2/V3/V3.2, GLM-4-MoE(-Lite), dots1 and ERNIE-4.5-MoE compute
+router logits in float32; MiniMax and Step-3.7 cast the input to the router weight's dtype,
+and HunYuan-MoE too (its ``gate.wg`` is a float32 ``nn.Linear``: the router weight is at
+``gate.wg.weight``).
 
 ERNIE-4.5-MoE's score-correction bias is a frozen ``(1, E)`` parameter
 (``gate.moe_statics.e_score_correction_bias``, read as its ``(E,)`` view) added to the
@@ -47,7 +49,9 @@ softmax probabilities for the choice only; HF divides the chosen probabilities b
 ``clamp(sum, min=moe_norm_min)`` where moe_fn divides by ``sum + 1e-20``: equal in float32
 while the sum is at least ``moe_norm_min`` = 1e-12 (the config's default; a larger one is
 refused), i.e. unless every chosen expert's probability underflows. Qwen3-VL-MoE's text
-blocks convert (the vision tower has no MoE).
+blocks convert (the vision tower has no MoE). Step-3.7's experts clamp *after* the SiLU
+(``min(silu(g), L)``) on layers with a ``swiglu_limits`` entry, which no moe_fn activation
+computes: such a block is refused (convert the others with ``moe_layer_pattern``).
 """
 
 from __future__ import annotations
@@ -132,6 +136,23 @@ def _routing_ernie4_5_moe(cfg):
         raise ValueError(f"ernie4_5_moe: moe_norm_min={norm_min} > 1e-12 floors the top-k sum "
                          "where moe_fn divides by sum + 1e-20: not the same weights")
     return _softmax(cfg, True) | dict(score_correction_bias=True) | _act(cfg)
+
+
+def _routing_step3p7(cfg):
+    # HF multiplies the experts' sum by moe_router_scaling_factor (linear: a routing weight).
+    return dict(score_func="sigmoid", norm_topk_prob=True, score_correction_bias=True,
+                routed_scaling_factor=float(getattr(cfg, "moe_router_scaling_factor", 1.0))
+                ) | _act(cfg)
+
+
+def _check_step3p7(block):
+    # Step-3.7 clamps after the activation, min(silu(g), L), on layers with a swiglu_limits
+    # entry; no moe_fn activation computes that (swiglu_clamped is silu(min(g, L))).
+    limit = getattr(getattr(block, "experts", None), "limit", float("inf"))
+    if limit != float("inf"):
+        return (f"its experts clamp after the SiLU (swiglu_limits entry {limit}: "
+                "min(silu(gate), L) * clamp(up, -L, L)), which no moe_fn activation computes")
+    return None
 
 
 def _routing_gpt_oss(cfg):
@@ -314,6 +335,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("hunyuan_v1_moe", ["hunyuan_v1_moe"], "hunyuan_v1_moe", "HunYuanMoEV1Moe",
        _routing_normalised, forward_shared_mlp, router_weight="wg.weight",
        router_dtype="weight"),
+    # Step-3.7's text config says model_type "step3p5" (there is no step3p5 model of its own).
+    _p("step3p7", ["step3p7", "step3p5"], "step3p7", "Step3p7SparseMoeBlock",
+       _routing_step3p7, forward_shared, bias_attr="gate.e_score_correction_bias",
+       router_dtype="weight", check=_check_step3p7, min_transformers="5.16.0"),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

@@ -187,13 +187,28 @@ def _hunyuan_v1_moe():
     return transformers.HunYuanMoEV1ForCausalLM(cfg)
 
 
+def _step3p7():
+    from transformers.models.step3p7 import configuration_step3p7 as c
+    from transformers.models.step3p7 import modeling_step3p7 as m
+
+    text = {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"}
+    text |= dict(head_dim=8, intermediate_size=24, moe_intermediate_size=8, share_expert_dim=12,
+                 num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+                 mlp_layer_types=["sparse", "sparse"], moe_router_scaling_factor=1.5,
+                 pad_token_id=0, sliding_window=4)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = c.Step3p7Config(text_config=text, vision_config=vision, image_token_id=VOCAB - 1)
+    return m.Step3p7ForConditionalGeneration(cfg)
+
+
 FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _qwen3_5_moe,
              "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
              "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
              "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next,
              "qwen3_vl_moe": _qwen3_vl_moe, "deepseek_v32": _deepseek_v32,
              "glm4_moe_lite": _glm4_moe_lite, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
-             "hunyuan_v1_moe": _hunyuan_v1_moe}
+             "hunyuan_v1_moe": _hunyuan_v1_moe, "step3p7": _step3p7}
 SUPPORTED = list(FACTORIES)
 
 

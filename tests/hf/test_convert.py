@@ -465,6 +465,24 @@ def test_skip_under_a_non_reentrant_hf_checkpoint_warns():
         conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
+@pytest.mark.parametrize("name", preset_params(["step3p7"]))
+def test_step3p7_clamped_block_is_refused_and_the_others_convert(name):
+    """Step-3.7 clamps after the SiLU on layers with a swiglu_limits entry, which no moe_fn
+    activation computes: such a block is refused before any block is converted, and the
+    other blocks convert (moe_layer_pattern) and match HF, the clamped layer run by HF."""
+    ref = make_model(name)
+    ref.model.language_model.layers[1].mlp.experts.limit = 0.05  # reached by the tiny model
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp cannot be converted: .*clamp after"):
+        convert(copy.deepcopy(ref))
+    conv = convert(copy.deepcopy(ref), moe_layer_pattern=r"model\.language_model\.layers\.0\.mlp")
+    assert [n for n, _ in converted_blocks(conv)] == ["model.language_model.layers.0.mlp"]
+    ref.train()
+    conv.train()
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), name)
+    _assert_grads_equal(conv, ref, name)
+
+
 @pytest.mark.parametrize("name", preset_params(["ernie4_5_moe"]))
 def test_ernie_bias_is_read_in_place_and_a_large_norm_floor_refused(name):
     """ERNIE-4.5's score-correction bias, a frozen (1, E) parameter, is what the MoELayer

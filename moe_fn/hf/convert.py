@@ -73,19 +73,21 @@ def _get_path(obj, path: str):
 
 class _RouterView(nn.Module):
     """What MoELayer reads as its router: the HF router's weight (and bias, GPT-OSS) and the
-    HF block's score-correction bias, looked up on every access (never copied)."""
+    HF block's score-correction bias, looked up on every access (never copied; a ``(1, E)``
+    bias is read as its ``(E,)`` view)."""
 
     def __init__(self, block: nn.Module, preset: Preset, router_bias: bool):
         super().__init__()
         self.__dict__["_block"] = block  # not a child: the block is not the layer's
         self._router_attr = preset.router_attr
+        self._router_weight = preset.router_weight
         self._bias_attr = preset.bias_attr
         self._float32 = preset.router_dtype == "float32"
         self._router_bias = router_bias
 
     @property
     def weight(self):
-        w = getattr(self._block, self._router_attr).weight
+        w = _get_path(getattr(self._block, self._router_attr), self._router_weight)
         return w.float() if self._float32 else w
 
     @property
@@ -97,7 +99,10 @@ class _RouterView(nn.Module):
 
     @property
     def e_score_correction_bias(self):
-        return None if self._bias_attr is None else _get_path(self._block, self._bias_attr)
+        if self._bias_attr is None:
+            return None
+        b = _get_path(self._block, self._bias_attr)
+        return b.view(-1) if b.dim() == 2 else b  # ERNIE-4.5 keeps it as (1, E)
 
 
 class _ExpertsView(nn.Module):
@@ -459,8 +464,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     all_to_all_transport, overlap_weight_grad, skip_recompute_combine,
     recompute_in_checkpoint.
 
-    Raises ValueError for an unsupported model type, a pattern that matches no block, an
-    unknown or preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose
+    Raises ValueError for an unsupported model type, a pattern that matches no block, a
+    block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or
+    preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose
     routing weight also scales the experts' down bias), or ``skip_recompute_combine`` with
     a custom pattern.
     """
@@ -475,11 +481,25 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)
     blocks = list(_find_blocks(model, p.cls("block"), moe_layer_pattern))
+    _check_blocks(p, blocks)
     _check_checkpoint_functions(model, [name for name, _ in blocks], options)
     for name, block in blocks:
         _convert_block(block, p, text_config, process_group, ep_size, options)
         _enable_replay(model, name)
     return model
+
+
+def _check_blocks(preset: Preset, blocks) -> None:
+    """Refuse, before anything is converted, a block whose own settings the MoELayer cannot
+    compute (the preset's ``check``)."""
+    if preset.check is None:
+        return
+    for name, block in blocks:
+        reason = preset.check(block)
+        if reason is not None:
+            raise ValueError(f"{preset.name}: {name or 'the model'} cannot be converted: "
+                             f"{reason}; leave it out with moe_layer_pattern (a regex "
+                             "fully matching the names of the blocks to convert)")
 
 
 def _check_checkpoint_functions(model: nn.Module, block_names, options: dict) -> None:

@@ -19,6 +19,14 @@ glm4_moe       sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
 minimax_m2     sigmoid    always     -                            block   swiglu
 minimax_m3     sigmoid    always     -                            gate    swiglu_oai
 gpt_oss        softmax_topk  -       -                            -       swiglu_oai (interleaved)
+qwen3_next     softmax    config     -                            -       swiglu
+qwen3_vl_moe   softmax    always     -                            -       swiglu
+deepseek_v32   sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+glm4_moe_lite  sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+dots1          sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
+ernie4_5_moe   softmax    always     -                            gate    swiglu
+hunyuan_v1_moe softmax    always     -                            -       swiglu
+step3p7        sigmoid    always     -                            gate    swiglu
 =============  =========  =========  ===========================  ======  ==============
 
 GPT-OSS also has a router bias (``router.bias``, added to the logits) and per-expert biases
@@ -27,15 +35,29 @@ inside the routing weight, hence ``score_apply="post"`` only), and stores its ex
 transposed (``gate_up_proj (E, H, 2I)``, ``down_proj (E, I, H)``), which the MoELayer reads as
 ``.transpose(1, 2)`` views: no copy. Its MLP returns ``(hidden, router_scores)``.
 
-``routed_scaling_factor`` is read from the config for deepseek_v2/v3, glm4_moe and
-minimax_m3 (where HF multiplies the experts' sum after the fact; the product is linear, so
-it moves into the routing weights). DeepSeek-V2/V3 and GLM-4-MoE compute router logits in
-float32; MiniMax casts the input to the router weight's dtype.
+``routed_scaling_factor`` is read from the config for deepseek_v2/v3/v32, glm4_moe,
+glm4_moe_lite, dots1 and minimax_m3, and step3p7's ``moe_router_scaling_factor`` (where HF
+multiplies the experts' sum after the fact; the product is linear, so it moves into the
+routing weights). DeepSeek-V2/V3/V3.2, GLM-4-MoE(-Lite), dots1 and ERNIE-4.5-MoE compute
+router logits in float32; MiniMax and Step-3.7 cast the input to the router weight's dtype,
+and HunYuan-MoE too (its ``gate.wg`` is a float32 ``nn.Linear``: the router weight is at
+``gate.wg.weight``).
+
+ERNIE-4.5-MoE's score-correction bias is a frozen ``(1, E)`` parameter
+(``gate.moe_statics.e_score_correction_bias``, read as its ``(E,)`` view) added to the
+softmax probabilities for the choice only; HF divides the chosen probabilities by
+``clamp(sum, min=moe_norm_min)`` where moe_fn divides by ``sum + 1e-20``: equal in float32
+while the sum is at least ``moe_norm_min`` = 1e-12 (the config's default; a larger one is
+refused), i.e. unless every chosen expert's probability underflows. Qwen3-VL-MoE's text
+blocks convert (the vision tower has no MoE). Step-3.7's experts clamp *after* the SiLU
+(``min(silu(g), L)``) on layers with a ``swiglu_limits`` entry, which no moe_fn activation
+computes: such a block is refused (convert the others with ``moe_layer_pattern``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 import attrs
@@ -105,6 +127,34 @@ def _routing_minimax_m3(cfg):
                 activation_limit=float(cfg.swiglu_limit))
 
 
+def _routing_ernie4_5_moe(cfg):
+    # Softmax probabilities plus the score-correction bias choose; the chosen (unbiased)
+    # probabilities are divided by clamp(sum, min=moe_norm_min): our sum + 1e-20 equals it
+    # in float32 whenever sum >= 1e-12, so a larger moe_norm_min is refused.
+    norm_min = float(getattr(cfg, "moe_norm_min", 1e-12))
+    if norm_min > 1e-12:
+        raise ValueError(f"ernie4_5_moe: moe_norm_min={norm_min} > 1e-12 floors the top-k sum "
+                         "where moe_fn divides by sum + 1e-20: not the same weights")
+    return _softmax(cfg, True) | dict(score_correction_bias=True) | _act(cfg)
+
+
+def _routing_step3p7(cfg):
+    # HF multiplies the experts' sum by moe_router_scaling_factor (linear: a routing weight).
+    return dict(score_func="sigmoid", norm_topk_prob=True, score_correction_bias=True,
+                routed_scaling_factor=float(getattr(cfg, "moe_router_scaling_factor", 1.0))
+                ) | _act(cfg)
+
+
+def _check_step3p7(block):
+    # Step-3.7 clamps after the activation, min(silu(g), L), on layers with a swiglu_limits
+    # entry; no moe_fn activation computes that (swiglu_clamped is silu(min(g, L))).
+    limit = getattr(getattr(block, "experts", None), "limit", float("inf"))
+    if limit != float("inf"):
+        return (f"its experts clamp after the SiLU (swiglu_limits entry {limit}: "
+                "min(silu(gate), L) * clamp(up, -L, L)), which no moe_fn activation computes")
+    return None
+
+
 def _routing_gpt_oss(cfg):
     # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit.
     return dict(score_func="softmax_topk", norm_topk_prob=False, activation="swiglu_oai",
@@ -149,6 +199,20 @@ def forward_shared(block, hidden_states, routed):
     return routed(hidden_states) + block.shared_experts(hidden_states)
 
 
+def forward_optional_shared(block, hidden_states, routed):
+    """ERNIE-4.5-MoE: routed + shared_experts(x), shared experts only when the config has
+    some (moe_num_shared_experts > 0)."""
+    out = routed(hidden_states)
+    if block.shared_experts is not None:
+        out = out + block.shared_experts(hidden_states)
+    return out
+
+
+def forward_shared_mlp(block, hidden_states, routed):
+    """HunYuan-MoE: routed + shared_mlp(x)."""
+    return routed(hidden_states) + block.shared_mlp(hidden_states)
+
+
 def forward_gpt_oss(block, hidden_states, routed):
     """GPT-OSS: ``(routed, router_scores)``; the scores (softmax over the top-k logits, as
     HF's router returns them) are what HF's MLP returns beside its output (its decoder
@@ -166,8 +230,10 @@ class Preset:
 
     name: the preset's name; model_types: the ``config.model_type`` values it serves.
     module: the transformers modeling module; block_class: the block's class name in it.
-    router_attr / experts_attr: the block's children. bias_attr: dotted path (from the
-    block) of the ``e_score_correction_bias`` buffer, or None.
+    router_attr / experts_attr: the block's children. router_weight: dotted path (from the
+    router) of its weight (HunYuan: ``wg.weight``). bias_attr: dotted path (from the
+    block) of the ``e_score_correction_bias`` buffer (a ``(1, E)`` one, ERNIE's, is read as
+    its ``(E,)`` view), or None.
     router_dtype: None (logits in the weight's dtype from the input as it comes),
     "float32" (input and weight cast to float32, DeepSeek), "weight" (input cast to the
     weight's dtype, MiniMax). transposed: the experts store ``gate_up_proj (E, H, 2I)`` and
@@ -175,7 +241,9 @@ class Preset:
     Router and expert biases (GPT-OSS: ``router.bias``, ``experts.gate_up_proj_bias``,
     ``experts.down_proj_bias``) are read when ``routing`` sets ``router_bias`` /
     ``expert_bias``. routing: HF text config -> MoEConfig fields. forward:
-    ``(block, hidden_states, routed) -> what HF's block returns``.
+    ``(block, hidden_states, routed) -> what HF's block returns``. check: None, or
+    ``(block) -> None | reason``: a reason refuses that block (before any is converted),
+    for a block whose own settings the MoELayer cannot compute (Step-3.7's clamped layers).
     """
 
     name: str
@@ -185,11 +253,20 @@ class Preset:
     routing: Callable
     forward: Callable
     router_attr: str = "gate"
+    router_weight: str = "weight"
     experts_attr: str = "experts"
     bias_attr: str | None = None
     router_dtype: str | None = None
     transposed: bool = False
+    check: Callable | None = None
     min_transformers: str = "5.0.0"
+
+    def available(self) -> bool:
+        """Whether the installed transformers has this preset's modeling module."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ImportError:  # pragma: no cover - a missing parent package
+            return False
 
     def modeling(self):
         try:
@@ -240,6 +317,28 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        min_transformers="5.15.0"),
     _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", _routing_gpt_oss, forward_gpt_oss,
        router_attr="router", transposed=True),
+    _p("qwen3_next", ["qwen3_next"], "qwen3_next", "Qwen3NextSparseMoeBlock", _routing_qwen3,
+       forward_gated_shared),
+    _p("qwen3_vl_moe", ["qwen3_vl_moe", "qwen3_vl_moe_text"], "qwen3_vl_moe",
+       "Qwen3VLMoeTextSparseMoeBlock", _routing_normalised, forward_plain),
+    _p("deepseek_v32", ["deepseek_v32"], "deepseek_v32", "DeepseekV32MoE", _routing_deepseek_v3,
+       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32",
+       min_transformers="5.11.0"),
+    _p("glm4_moe_lite", ["glm4_moe_lite"], "glm4_moe_lite", "Glm4MoeLiteMoE",
+       _routing_deepseek_v3, forward_shared, bias_attr="gate.e_score_correction_bias",
+       router_dtype="float32"),
+    _p("dots1", ["dots1"], "dots1", "Dots1MoE", _routing_deepseek_v3, forward_shared,
+       bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+    _p("ernie4_5_moe", ["ernie4_5_moe"], "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+       _routing_ernie4_5_moe, forward_optional_shared,
+       bias_attr="gate.moe_statics.e_score_correction_bias", router_dtype="float32"),
+    _p("hunyuan_v1_moe", ["hunyuan_v1_moe"], "hunyuan_v1_moe", "HunYuanMoEV1Moe",
+       _routing_normalised, forward_shared_mlp, router_weight="wg.weight",
+       router_dtype="weight"),
+    # Step-3.7's text config says model_type "step3p5" (there is no step3p5 model of its own).
+    _p("step3p7", ["step3p7", "step3p5"], "step3p7", "Step3p7SparseMoeBlock",
+       _routing_step3p7, forward_shared, bias_attr="gate.e_score_correction_bias",
+       router_dtype="weight", check=_check_step3p7, min_transformers="5.16.0"),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from moe_fn.hf import PRESETS
+
 VOCAB = 64
 SEQ = 8
 BATCH = 2
@@ -108,16 +110,131 @@ def _gpt_oss():
     return transformers.GptOssForCausalLM(cfg)
 
 
+def _qwen3_next():
+    cfg = transformers.Qwen3NextConfig(**_COMMON, head_dim=8, intermediate_size=24,
+                                       moe_intermediate_size=8,
+                                       shared_expert_intermediate_size=12, num_experts=8,
+                                       num_experts_per_tok=2, norm_topk_prob=False,
+                                       layer_types=["linear_attention", "full_attention"],
+                                       linear_num_key_heads=2, linear_num_value_heads=2,
+                                       linear_key_head_dim=8, linear_value_head_dim=8,
+                                       linear_conv_kernel_dim=2)
+    return transformers.Qwen3NextForCausalLM(cfg)
+
+
+def _qwen3_vl_moe():
+    # The text model's MoE blocks; a tiny vision tower (no MoE) the text-only batch skips.
+    from transformers.models.qwen3_vl_moe import configuration_qwen3_vl_moe as c
+    from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as m
+
+    text = {k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings",
+                                                         "output_router_logits")}
+    text |= dict(head_dim=8, intermediate_size=24, moe_intermediate_size=8, num_experts=8,
+                 num_experts_per_tok=2,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                  "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1, out_hidden_size=16,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    cfg = c.Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                             image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+                             vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4)
+    return m.Qwen3VLMoeForConditionalGeneration(cfg)
+
+
+def _deepseek_v32():
+    from transformers.models.deepseek_v32 import configuration_deepseek_v32 as c
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+
+    cfg = c.DeepseekV32Config(**(_COMMON | _MLA | dict(q_lora_rank=8)), n_routed_experts=8,
+                              num_experts_per_tok=2, first_k_dense_replace=1,
+                              mlp_layer_types=["dense", "sparse"], n_group=2, topk_group=1,
+                              routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=4,
+                              index_head_dim=8, index_n_heads=2, head_dim=4)
+    return m.DeepseekV32ForCausalLM(cfg)
+
+
+def _glm4_moe_lite():
+    from transformers.models.glm4_moe_lite import configuration_glm4_moe_lite as c
+    from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as m
+
+    cfg = c.Glm4MoeLiteConfig(**(_COMMON | _MLA | dict(q_lora_rank=8)), n_routed_experts=8,
+                              num_experts_per_tok=2, mlp_layer_types=["sparse", "sparse"],
+                              n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                              norm_topk_prob=False)
+    return m.Glm4MoeLiteForCausalLM(cfg)
+
+
+def _dots1():
+    cfg = transformers.Dots1Config(**_COMMON, head_dim=8, intermediate_size=24,
+                                   moe_intermediate_size=8, n_routed_experts=8,
+                                   n_shared_experts=1, num_experts_per_tok=2,
+                                   first_k_dense_replace=0, n_group=2, topk_group=1,
+                                   routed_scaling_factor=2.0, norm_topk_prob=True)
+    return transformers.Dots1ForCausalLM(cfg)
+
+
+def _ernie4_5_moe():
+    cfg = transformers.Ernie4_5_MoeConfig(**_COMMON, intermediate_size=24,
+                                          moe_intermediate_size=8, moe_num_experts=8, moe_k=2,
+                                          moe_num_shared_experts=1, moe_layer_start_index=0)
+    return transformers.Ernie4_5_MoeForCausalLM(cfg)
+
+
+def _hunyuan_v1_moe():
+    cfg = transformers.HunYuanMoEV1Config(**_COMMON, head_dim=8, intermediate_size=8,
+                                          num_experts=4, moe_topk=2)
+    return transformers.HunYuanMoEV1ForCausalLM(cfg)
+
+
+def _step3p7():
+    from transformers.models.step3p7 import configuration_step3p7 as c
+    from transformers.models.step3p7 import modeling_step3p7 as m
+
+    text = {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"}
+    text |= dict(head_dim=8, intermediate_size=24, moe_intermediate_size=8, share_expert_dim=12,
+                 num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+                 mlp_layer_types=["sparse", "sparse"], moe_router_scaling_factor=1.5,
+                 pad_token_id=0, sliding_window=4)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = c.Step3p7Config(text_config=text, vision_config=vision, image_token_id=VOCAB - 1)
+    return m.Step3p7ForConditionalGeneration(cfg)
+
+
 FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _qwen3_5_moe,
              "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
              "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
-             "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss}
+             "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next,
+             "qwen3_vl_moe": _qwen3_vl_moe, "deepseek_v32": _deepseek_v32,
+             "glm4_moe_lite": _glm4_moe_lite, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
+             "hunyuan_v1_moe": _hunyuan_v1_moe, "step3p7": _step3p7}
 SUPPORTED = list(FACTORIES)
 
 
+def available(name: str) -> bool:
+    """Whether the installed transformers has the preset's model (newer ones, e.g.
+    minimax_m3, deepseek_v32 or step3p7, are missing from older transformers: their tests
+    skip)."""
+    return PRESETS[name].available()
+
+
+AVAILABLE = [n for n in SUPPORTED if available(n)]
+
+
+def preset_params(names):
+    """``names`` as pytest parameters, each skipped where transformers lacks its model."""
+    import pytest
+
+    return [pytest.param(n, marks=pytest.mark.skipif(
+        not available(n), reason=f"{n} needs transformers >= {PRESETS[n].min_transformers}"))
+        for n in names]
+
+
 def make_model(name: str, seed: int = 0):
-    """A float32 model with non-degenerate routing: weights N(0, 0.02), routers N(0, 1),
-    experts N(0, 0.1) (GPT-OSS's expert biases included), score-correction biases N(0, 0.5),
+    """A float32 model with non-degenerate routing: weights N(0, 0.02), routers N(0, 1)
+    (HunYuan's ``gate.wg`` too), experts N(0, 0.1) (GPT-OSS's expert biases included),
+    score-correction biases N(0, 0.5) (buffers, and ERNIE-4.5's frozen parameter),
     so scores are far from ties; other 1-d parameters (GPT-OSS's router bias) N(0, 0.1)."""
     torch.manual_seed(seed)
     model = FACTORIES[name]().float()
@@ -127,8 +244,10 @@ def make_model(name: str, seed: int = 0):
         for pname, p in model.named_parameters():
             if "norm" in pname and p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif pname.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            elif pname.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.gate.wg.weight")):
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif pname.endswith("e_score_correction_bias"):  # ERNIE-4.5's, a frozen parameter
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif "experts.gate_up_proj" in pname or "experts.down_proj" in pname:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif ".linear_attn." in pname:

@@ -156,9 +156,11 @@ def _check_step3p7(block):
 
 
 def _routing_gpt_oss(cfg):
-    # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit.
+    # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit
+    # (config fields in newer transformers; before them, 5.17 and older, fixed at these values).
     return dict(score_func="softmax_topk", norm_topk_prob=False, activation="swiglu_oai",
-                activation_alpha=float(cfg.swiglu_alpha), activation_limit=float(cfg.swiglu_limit),
+                activation_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
+                activation_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
                 gate_up_layout="interleaved", router_bias=True, expert_bias=True)
 
 

@@ -498,3 +498,17 @@ def test_ernie_bias_is_read_in_place_and_a_large_norm_floor_refused(name):
     with pytest.raises(ValueError, match="moe_norm_min=1e-06 > 1e-12"):
         convert(model)
     assert converted_blocks(model) == []
+
+
+def test_gpt_oss_swiglu_constants_default_as_older_transformers_fix_them():
+    """transformers 5.17 and older hardcode GPT-OSS's alpha 1.702 and limit 7.0 in its
+    experts (no config fields); newer ones read swiglu_alpha/swiglu_limit from the config."""
+    import types
+
+    from moe_fn.hf.presets import PRESETS
+
+    routing = PRESETS["gpt_oss"].routing
+    old = routing(types.SimpleNamespace())
+    assert (old["activation_alpha"], old["activation_limit"]) == (1.702, 7.0)
+    new = routing(types.SimpleNamespace(swiglu_alpha=1.5, swiglu_limit=5.0))
+    assert (new["activation_alpha"], new["activation_limit"]) == (1.5, 5.0)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fn.hf import convert, converted_blocks, gather_expert_state_dict
+from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 from tests.hf.models import AVAILABLE, assert_close, assert_outputs_close, batch, make_model, run
 
@@ -27,7 +28,7 @@ def _check_preset(rank, world, name, ckpt, **options):
     blocks = converted_blocks(conv)
     assert blocks
     for _, b in blocks:
-        assert b.moe_layer.config.comm_backend == "all_to_all"
+        assert b.moe_layer.config.comm_backend == options.get("comm_backend", "all_to_all")
         b.moe_layer.exchange.reset_counters()
         assert b.experts.gate_up_proj.shape[0] == b.moe_layer.config.num_experts // world
 
@@ -69,6 +70,7 @@ def _check_preset(rank, world, name, ckpt, **options):
 
 
 def _all_presets(rank, world):
+    fake_deep_ep.install()
     torch.manual_seed(0)
     for ckpt in (False, True):
         for name in AVAILABLE:  # the presets whose model this transformers has
@@ -80,6 +82,9 @@ def _all_presets(rank, world):
             # Routing weights applied inside the fused combine at home (biases included).
             _check_preset(rank, world, name, ckpt, combine_impl="fused",
                           row_weighting_impl="fused", skip_recompute_combine=ckpt)
+            # DeepEP's exchange (over tests/fake_deep_ep.py's stand-in), with the skip.
+            _check_preset(rank, world, name, ckpt, comm_backend="deepep",
+                          skip_recompute_combine=ckpt)
             # Not recomputed: the forward's activations serve the checkpoint's backward.
             _check_preset(rank, world, name, ckpt, recompute_in_checkpoint=False,
                           all_to_all_dedup=name == "gpt_oss")

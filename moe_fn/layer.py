@@ -331,6 +331,12 @@ class MoELayer(nn.Module):
             if amp is not None and p.dtype not in (dtype, torch.float32):
                 raise TypeError(f"under torch.autocast({amp}) {name} is {p.dtype}: the "
                                 f"layer's parameters must be float32 or {dtype}")
+            if amp is None and p.dtype != dtype and _autocast_on(x):
+                kind = x.device.type
+                raise TypeError(
+                    f"under torch.autocast({torch.get_autocast_dtype(kind)}) x is {x.dtype} "
+                    f"but {name} is {p.dtype}: pass x in float32 or "
+                    f"{torch.get_autocast_dtype(kind)} (autocast leaves {x.dtype} alone)")
             if amp is None and p.dtype != dtype:
                 raise TypeError(
                     f"x has dtype {x.dtype} but {name} is {p.dtype}: keep the layer in one "
@@ -546,6 +552,11 @@ def _cast(t, dtype):
     return t if t is None or dtype is None else t.to(dtype)
 
 
+def _autocast_on(x: torch.Tensor) -> bool:
+    kind = x.device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
 def _autocast_dtype(x: torch.Tensor):
     """The dtype ``torch.autocast`` lowers float32 matmuls to on ``x``'s device, where it is
     on and ``x`` is float32 or already in that dtype (the output of a lowered op); else
@@ -553,7 +564,7 @@ def _autocast_dtype(x: torch.Tensor):
     kind = x.device.type
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
+    if not _autocast_on(x):
         return None
     amp = torch.get_autocast_dtype(kind)
     return amp if amp != torch.float32 and x.dtype in (torch.float32, amp) else None

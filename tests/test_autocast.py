@@ -127,6 +127,11 @@ def test_autocast_takes_an_input_already_lowered_and_parameters_some_lowered():
     # Without autocast the mixture is refused, and the error names the way out.
     with pytest.raises(TypeError, match="run the forward under torch.autocast"):
         layer(x.bfloat16())
+    # Under bf16 autocast a float16 input is one autocast leaves alone: the fix is x's dtype.
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"under torch.autocast\(torch.bfloat16\) x is torch.float16 but "
+                             r".*pass x in float32 or torch.bfloat16"):
+        layer(x.half())
     # Under bf16 autocast a float16 parameter is neither float32 nor bf16.
     layer.experts.down_proj.data = layer.experts.down_proj.data.half()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(

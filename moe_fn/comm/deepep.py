@@ -74,7 +74,8 @@ class DeepEPExchange(TokenRowsExchange):
     def _check_rows(name, x):
         if x.dtype != torch.bfloat16 or not x.is_cuda:
             raise TypeError(f"DeepEP carries bf16 CUDA rows; {name} is {x.dtype} on {x.device}: "
-                            "run the layer in bfloat16 or use comm_backend='all_to_all'")
+                            "run the layer in bfloat16 (under torch.autocast: dtype="
+                            "torch.bfloat16) or use comm_backend='all_to_all'")
 
     def layout(self, plan: RoutePlan):
         self.counters["layout"] += 1

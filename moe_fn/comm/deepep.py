@@ -154,8 +154,8 @@ class DeepEPExchange(TokenRowsExchange):
         return out
 
     def _tokens_to_experts(self, d_out, handle: DeepEPHandle):
-        if d_out.is_cuda:  # DeepEP carries bf16 rows (a float32 gradient handed in, too)
-            d_out = d_out.to(torch.bfloat16)
+        # d_out has the layer output's dtype (autograd casts every gradient, a root one too,
+        # to its tensor's): the bf16 the forward's dispatch checked.
         d_recv, *_ = self.buffer.dispatch(d_out.contiguous(),
                                           handle=handle.deepep_handle,
                                           config=self.dispatch_config)

@@ -420,16 +420,27 @@ def _find_blocks(model, block_cls, pattern) -> list[tuple[str, nn.Module]]:
     return chosen
 
 
-def _convert_block(block, preset: Preset, text_config, process_group, ep_size, options):
+def _block_config(name, block, preset: Preset, text_config, ep_size, options) -> MoEConfig:
+    """The MoEConfig a block runs as; what the model's config (and the options) make and the
+    layer cannot run is refused, naming the preset and the block."""
     router = getattr(block, preset.router_attr)
-    experts = getattr(block, preset.experts_attr)
-    gate_up = _ExpertsView(block, preset).gate_up_proj  # (E, 2I, H)
-    num_experts, two_i, hidden = gate_up.shape
+    num_experts, two_i, hidden = _ExpertsView(block, preset).gate_up_proj.shape  # (E, 2I, H)
     options = dict(options)
     options.setdefault("comm_backend", "all_to_all" if ep_size > 1 else "local")
-    config = MoEConfig(hidden_size=hidden, intermediate_size=two_i // 2,
-                       num_experts=num_experts, top_k=int(router.top_k), ep_size=ep_size,
-                       **preset.routing(text_config), **options)
+    try:
+        return MoEConfig(hidden_size=hidden, intermediate_size=two_i // 2,
+                         num_experts=num_experts, top_k=int(router.top_k), ep_size=ep_size,
+                         **preset.routing(text_config), **options)
+    except ValueError as e:
+        raise ValueError(f"{preset.name}: {name or 'the model'} cannot be converted: its "
+                         f"config with the options given makes a MoE layer moe_fn cannot "
+                         f"run: {e}") from None
+
+
+def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_size):
+    experts = getattr(block, preset.experts_attr)
+    router = getattr(block, preset.router_attr)
+    gate_up = _ExpertsView(block, preset).gate_up_proj
     layer = HFMoELayer(config, process_group, device="meta", dtype=gate_up.dtype)
     layer.router_dtype = preset.router_dtype
     layer.router = _RouterView(block, preset, config.router_bias)
@@ -483,8 +494,11 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     blocks = list(_find_blocks(model, p.cls("block"), moe_layer_pattern))
     _check_blocks(p, blocks)
     _check_checkpoint_functions(model, [name for name, _ in blocks], options)
-    for name, block in blocks:
-        _convert_block(block, p, text_config, process_group, ep_size, options)
+    # Every block's config first: a refusal leaves the model whole.
+    configs = [_block_config(name, block, p, text_config, ep_size, options)
+               for name, block in blocks]
+    for (name, block), config in zip(blocks, configs):
+        _convert_block(block, p, config, process_group, ep_size)
         _enable_replay(model, name)
     return model
 

@@ -65,7 +65,9 @@ import torch
 import torch.nn.functional as F
 
 # HF ``hidden_act`` of the experts -> our gated activation.
-HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}
+# gelu_new and gelu_fast are HF's other spellings of the tanh approximation.
+HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh",
+              "gelu_new": "geglu_tanh", "gelu_fast": "geglu_tanh"}
 
 
 def _act(cfg) -> dict:
@@ -99,7 +101,11 @@ def _routing_deepseek_v2(cfg):
     out = _softmax(cfg, False)
     method = getattr(cfg, "topk_method", "greedy")
     if method == "group_limited_greedy":
-        out |= dict(n_group=int(cfg.n_group), topk_group=int(cfg.topk_group), group_score="max")
+        groups = (getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None))
+        if not all(isinstance(g, int) and g > 0 for g in groups):
+            raise ValueError("deepseek_v2: topk_method='group_limited_greedy' needs positive "
+                             f"integer n_group and topk_group in the config, got {groups}")
+        out |= dict(n_group=groups[0], topk_group=groups[1], group_score="max")
     elif method != "greedy":
         raise ValueError(f"deepseek_v2: topk_method={method!r} is not supported "
                          "(supported: 'greedy', 'group_limited_greedy')")

@@ -512,3 +512,44 @@ def test_gpt_oss_swiglu_constants_default_as_older_transformers_fix_them():
     assert (old["activation_alpha"], old["activation_limit"]) == (1.702, 7.0)
     new = routing(types.SimpleNamespace(swiglu_alpha=1.5, swiglu_limit=5.0))
     assert (new["activation_alpha"], new["activation_limit"]) == (1.5, 5.0)
+
+
+def test_gelu_new_and_gelu_fast_experts_convert_as_the_tanh_gelu():
+    """HF's gelu_new and gelu_fast are the tanh approximation under other names: converted
+    experts with them match HF."""
+    from tests.hf.models import _COMMON
+
+    for act in ("gelu_new", "gelu_fast"):
+        cfg = transformers.Qwen3MoeConfig(**_COMMON, head_dim=8, intermediate_size=24,
+                                          moe_intermediate_size=8, num_experts=8,
+                                          num_experts_per_tok=2, hidden_act=act)
+        torch.manual_seed(0)
+        ref = transformers.Qwen3MoeForCausalLM(cfg).train()
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if "experts" in n:
+                    p.normal_(0, 0.3)
+        conv = convert(copy.deepcopy(ref))
+        assert all(b.moe_layer.config.activation == "geglu_tanh"
+                   for _, b in converted_blocks(conv))
+        ids, labels = batch()
+        assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), act)
+        _assert_grads_equal(conv, ref, act)
+
+
+def test_a_block_the_layer_cannot_run_is_refused_by_name_before_any_converts():
+    """A config that makes a layer moe_fn cannot run (here one router asks for more experts
+    than there are; DeepSeek-V2's grouped choice without its groups) is refused, naming
+    the preset and block, and no block is converted."""
+    model = make_model("qwen3_moe")
+    model.model.layers[1].mlp.gate.top_k = 99
+    with pytest.raises(ValueError, match=r"qwen3_moe: model\.layers\.1\.mlp cannot be "
+                                         r"converted: .*top_k"):
+        convert(model)
+    assert converted_blocks(model) == []
+    model = make_model("deepseek_v2")
+    model.config.n_group = None
+    with pytest.raises(ValueError, match="group_limited_greedy' needs positive integer "
+                                         r"n_group and topk_group in the config, got \(None, 2\)"):
+        convert(model)
+    assert converted_blocks(model) == []

@@ -398,7 +398,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("step3p7", ["step3p7", "step3p5"], "step3p7", "Step3p7SparseMoeBlock",
        _routing_step3p7, forward_shared, bias_attr="gate.e_score_correction_bias",
        router_dtype="weight", check=_check_step3p7, min_transformers="5.16.0"),
-    # The Llama-4 text model, alone or inside Llama4ForConditionalGeneration.
+    # The Llama-4 text model, alone or inside Llama4ForConditionalGeneration. Its MoE block,
+    # router and experts read the same in transformers 5.0.0, 5.12.0 and 5.24.0; up to at
+    # least 5.12 HF's output capture records the block's output 0 as "router_logits" (not the
+    # router's logits), which the converted block returns alike (its tests pass on 5.12.0).
     _p("llama4", ["llama4", "llama4_text"], "llama4", "Llama4TextMoe", _routing_llama4,
        forward_llama4, router_attr="router", transposed=True, choose_on_logits=True,
        router_output=router_output_llama4, derived_options=("score_apply",),

@@ -189,16 +189,21 @@ class MoELayer(nn.Module):
                 if p is not None:
                     p.zero_()
 
+    def router_params(self, x2: torch.Tensor) -> tuple:
+        """``(weight, bias)`` of the router's linear as ``route`` computes the logits of
+        ``x2`` with them (under ``torch.autocast`` cast to its input's dtype)."""
+        r = self.router
+        if self._autocast_to is None:
+            return r.weight, r.bias
+        return _cast(r.weight, x2.dtype), _cast(r.bias, x2.dtype)
+
     def route(self, x2: torch.Tensor, replay_idx=None):
         """Router logits (T, E) and the differentiable top-k weights with their indices.
 
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
-        r = self.router
-        weight, bias = r.weight, r.bias
-        if self._autocast_to is not None:  # the router's parameters in its input's dtype
-            weight, bias = _cast(weight, x2.dtype), _cast(bias, x2.dtype)
-        return Router.apply(x2, weight, bias, r.e_score_correction_bias, c.top_k,
+        weight, bias = self.router_params(x2)
+        return Router.apply(x2, weight, bias, self.router.e_score_correction_bias, c.top_k,
                             c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
                             c.group_score, float(c.routed_scaling_factor), replay_idx)
 

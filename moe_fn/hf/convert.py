@@ -36,6 +36,7 @@ import warnings
 import attrs
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig, _positive_int
@@ -141,7 +142,8 @@ class _ExpertsView(nn.Module):
 class HFMoELayer(MoELayer):
     """MoELayer whose router input is cast as the HF router does before its linear:
     ``router_dtype`` "float32" (DeepSeek/GLM: input and weight in float32) or "weight"
-    (MiniMax: input cast to the weight's dtype); None leaves it as it comes."""
+    (MiniMax: input cast to the weight's dtype); None leaves it as it comes. With
+    ``choose_on_logits`` the experts are chosen on the logits, not the scores (Llama-4)."""
 
     router_dtype: str | None = None
 
@@ -152,8 +154,20 @@ class HFMoELayer(MoELayer):
             return self.router.weight.dtype
         return x_dtype
 
-    def route(self, x2: torch.Tensor, *args, **kwargs):
-        return super().route(x2.to(self.router_input_dtype(x2.dtype)), *args, **kwargs)
+    # Llama-4: HF takes the top-k on the raw logits and the sigmoid of the chosen ones after
+    # (the float32 sigmoid rounds distinct large logits to equal scores, where a choice on
+    # the scores would break the tie by index): the choice is made here, on the logits the
+    # route computes, and the route weighs those experts as it weighs a replayed route.
+    choose_on_logits: bool = False
+
+    def route(self, x2: torch.Tensor, replay_idx=None):
+        x2 = x2.to(self.router_input_dtype(x2.dtype))
+        if self.choose_on_logits and replay_idx is None:
+            with torch.no_grad():
+                logits = F.linear(x2, *self.router_params(x2))
+                replay_idx = torch.sort(logits, dim=-1, descending=True,
+                                        stable=True)[1][:, :self.config.top_k]
+        return super().route(x2, replay_idx)
 
 
 class _RecordingRouter:
@@ -181,9 +195,11 @@ class ConvertedBlock:
 
     def _moe_fn_routed(self, x: torch.Tensor, return_router_logits: bool = False):
         out, logits = self.moe_layer(x, return_router_logits=True)
-        # HF's router returns (router_logits, top-k weights, top-k indices); output capture
-        # records index 0. The weights and indices live inside the MoELayer.
-        getattr(self, self.moe_preset.router_attr)(x, _moe_fn_output=(logits, None, None))
+        # HF's router returns (router_logits, top-k weights, top-k indices), Llama-4's
+        # (scores, logits): output capture records the logits (the preset's router_output
+        # places them). The weights and indices live inside the MoELayer.
+        getattr(self, self.moe_preset.router_attr)(
+            x, _moe_fn_output=self.moe_preset.router_output(logits))
         return (out, logits) if return_router_logits else out
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -372,7 +388,7 @@ def resolve_preset(model: nn.Module, preset: str | None = None) -> Preset:
     return PRESETS[MODEL_TYPES[model_type]]
 
 
-def _check_options(options: dict, moe_layer_pattern) -> None:
+def _check_options(options: dict, moe_layer_pattern, preset: Preset) -> None:
     derived = sorted(set(options) & set(DERIVED))
     if derived:
         raise ValueError(f"{derived} are set by the preset from the model (routing, sizes, "
@@ -381,6 +397,11 @@ def _check_options(options: dict, moe_layer_pattern) -> None:
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; options are MoEConfig fields: "
                          f"{list(OPTIONS)}")
+    own = sorted(set(options) & set(preset.derived_options))
+    if own:
+        allowed = [o for o in OPTIONS if o not in preset.derived_options]
+        raise ValueError(f"{preset.name}: {own} set by the preset, not an option: "
+                         f"{preset.derived_reason}; options may set only {allowed}")
     if options.get("score_apply") == "pre":
         raise ValueError(
             "score_apply='pre' weights the experts' inputs, which changes what a nonlinear "
@@ -443,6 +464,7 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
     gate_up = _ExpertsView(block, preset).gate_up_proj
     layer = HFMoELayer(config, process_group, device="meta", dtype=gate_up.dtype)
     layer.router_dtype = preset.router_dtype
+    layer.choose_on_logits = preset.choose_on_logits
     layer.router = _RouterView(block, preset, config.router_bias)
     layer.experts = _ExpertsView(block, preset)
     if ep_size > 1:
@@ -470,16 +492,17 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     the world group); each rank keeps its slice of the experts, and ``comm_backend``
     defaults to "all_to_all" (``"local"`` for ep_size 1).
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
-    gate_up_impl, score_apply ("post" or "activation"; "pre" is refused),
+    gate_up_impl, score_apply ("post" or "activation"; "pre" is refused; Llama-4's is
+    "pre", set by its preset, and refused as an option),
     row_weighting_impl, combine_impl, comm_backend, comm_num_sm, all_to_all_dedup,
     all_to_all_transport, overlap_weight_grad, skip_recompute_combine,
     recompute_in_checkpoint.
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, a
     block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or
-    preset-derived option, score_apply="pre" (or "activation" for GPT-OSS, whose
-    routing weight also scales the experts' down bias), or ``skip_recompute_combine`` with
-    a custom pattern.
+    preset-derived option (Llama-4's score_apply included), score_apply="pre" (or
+    "activation" for GPT-OSS, whose routing weight also scales the experts' down bias), or
+    ``skip_recompute_combine`` with a custom pattern.
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers model (an nn.Module with a config), "
@@ -488,7 +511,7 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
         if v is not None and not isinstance(v, str):
             raise TypeError(f"{name} must be a str or None, got {type(v).__name__}")
     p = resolve_preset(model, preset)
-    _check_options(options, moe_layer_pattern)
+    _check_options(options, moe_layer_pattern, p)
     _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)
     blocks = list(_find_blocks(model, p.cls("block"), moe_layer_pattern))

@@ -27,6 +27,7 @@ dots1          sigmoid    config     n_group/topk_group: top2_sum gate    swiglu
 ernie4_5_moe   softmax    always     -                            gate    swiglu
 hunyuan_v1_moe softmax    always     -                            -       swiglu
 step3p7        sigmoid    always     -                            gate    swiglu
+llama4         sigmoid    never      -                            -       swiglu (pre)
 =============  =========  =========  ===========================  ======  ==============
 
 GPT-OSS also has a router bias (``router.bias``, added to the logits) and per-expert biases
@@ -52,6 +53,22 @@ refused), i.e. unless every chosen expert's probability underflows. Qwen3-VL-MoE
 blocks convert (the vision tower has no MoE). Step-3.7's experts clamp *after* the SiLU
 (``min(silu(g), L)``) on layers with a ``swiglu_limits`` entry, which no moe_fn activation
 computes: such a block is refused (convert the others with ``moe_layer_pattern``).
+
+Llama-4 (``Llama4TextMoe``) weights each expert's INPUT: every expert runs on
+``x * sigmoid(logit)`` for its chosen tokens (``x * 0`` for the others, which a bias-free
+gated MLP maps to 0 with no gradient), so its routing sets ``score_apply="pre"`` itself
+(``derived_options``: a user's score_apply is refused). HF chooses the top-k on the raw
+logits (in the router's dtype) and takes the sigmoid (in float32, cast back to the logits'
+dtype) of the chosen ones only, never normalised; moe_fn's ``"sigmoid"`` would choose on
+the float32 sigmoids, which round distinct logits to equal values (all logits above ~17,
+or a few ulps apart), and then break the tie by index where HF takes the larger logit. So
+the preset chooses on the logits (``choose_on_logits``: one extra no-grad router linear,
+then the MoELayer weighs the chosen experts as a replayed route). Its router (an
+``nn.Linear``, ``router.weight``) returns ``(scores, logits)``, which output capture reads
+at index 1; the block returns ``(out (T, H), router_logits)``, its experts are stored
+transposed (``(E, H, 2I)``, gate and up as halves: ``chunk(2)``) and its shared expert
+(``shared_expert``) runs on ``x``. Only the decoder layers in ``config.moe_layers`` hold a
+``Llama4TextMoe`` (``interleave_moe_layer_step``); the others are dense MLPs, left alone.
 """
 
 from __future__ import annotations
@@ -161,6 +178,11 @@ def _check_step3p7(block):
     return None
 
 
+def _routing_llama4(cfg):
+    # sigmoid of the chosen logits, never normalised, weighting the experts' inputs.
+    return dict(score_func="sigmoid", norm_topk_prob=False, score_apply="pre") | _act(cfg)
+
+
 def _routing_gpt_oss(cfg):
     # hidden_act is ignored by HF's experts: the gate is computed inline from swiglu_alpha/limit
     # (config fields in newer transformers; before them, 5.17 and older, fixed at these values).
@@ -232,6 +254,26 @@ def forward_gpt_oss(block, hidden_states, routed):
     return out.reshape(b, s, h), scores
 
 
+def forward_llama4(block, hidden_states, routed):
+    """Llama-4: ``(shared_expert(x) + routed, router_logits)`` on the flattened tokens, as
+    HF's block returns them (its decoder layer views the output back and discards the
+    logits)."""
+    x = hidden_states.reshape(-1, block.hidden_dim)
+    out, logits = routed(x, return_router_logits=True)
+    return block.shared_expert(x) + out, logits
+
+
+def router_output_default(logits):
+    """What a converted block hands the HF router's output capture: ``(router_logits,
+    top-k weights, top-k indices)``, the weights and indices living inside the MoELayer."""
+    return logits, None, None
+
+
+def router_output_llama4(logits):
+    """Llama-4's router returns ``(router_scores, router_logits)``; capture reads index 1."""
+    return None, logits
+
+
 @attrs.frozen(kw_only=True)
 class Preset:
     """One HF MoE family.
@@ -252,6 +294,11 @@ class Preset:
     ``(block, hidden_states, routed) -> what HF's block returns``. check: None, or
     ``(block) -> None | reason``: a reason refuses that block (before any is converted),
     for a block whose own settings the MoELayer cannot compute (Step-3.7's clamped layers).
+    router_output: ``logits -> the tuple HF's router returns``, with the MoELayer's logits
+    where HF's output capture reads them. choose_on_logits: HF takes the top-k on the raw
+    logits, not on the scores (Llama-4: sigmoid after the choice). derived_options: MoEConfig
+    options outside ``DERIVED`` that ``routing`` sets (Llama-4's ``score_apply``), refused
+    from the user with ``derived_reason``.
     """
 
     name: str
@@ -267,6 +314,10 @@ class Preset:
     router_dtype: str | None = None
     transposed: bool = False
     check: Callable | None = None
+    router_output: Callable = router_output_default
+    choose_on_logits: bool = False
+    derived_options: tuple[str, ...] = ()
+    derived_reason: str = ""
     min_transformers: str = "5.0.0"
 
     def available(self) -> bool:
@@ -347,6 +398,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("step3p7", ["step3p7", "step3p5"], "step3p7", "Step3p7SparseMoeBlock",
        _routing_step3p7, forward_shared, bias_attr="gate.e_score_correction_bias",
        router_dtype="weight", check=_check_step3p7, min_transformers="5.16.0"),
+    # The Llama-4 text model, alone or inside Llama4ForConditionalGeneration. Its MoE block,
+    # router and experts read the same in transformers 5.0.0, 5.12.0 and 5.24.0; up to at
+    # least 5.12 HF's output capture records the block's output 0 as "router_logits" (not the
+    # router's logits), which the converted block returns alike (its tests pass on 5.12.0).
+    _p("llama4", ["llama4", "llama4_text"], "llama4", "Llama4TextMoe", _routing_llama4,
+       forward_llama4, router_attr="router", transposed=True, choose_on_logits=True,
+       router_output=router_output_llama4, derived_options=("score_apply",),
+       derived_reason="HF's Llama-4 weights each expert's input (x * sigmoid(logit)), "
+                      "which is score_apply='pre' ('post' and 'activation' would weight a "
+                      "nonlinear expert's output: another function)"),
 ]}
 
 MODEL_TYPES: dict[str, str] = {mt: p.name for p in PRESETS.values() for mt in p.model_types}

@@ -202,21 +202,46 @@ def _step3p7():
     return m.Step3p7ForConditionalGeneration(cfg)
 
 
+def _llama4(top_k=1, moe_step=1):
+    # Llama-4's text model: the sigmoid score weights each expert's input (top-1, as the
+    # released models; top-2 too), plus a shared expert. moe_step=2 interleaves a dense
+    # layer (model.layers.0) before the MoE one, as the 128-expert model does.
+    from transformers.models.llama4 import configuration_llama4 as c
+    from transformers.models.llama4 import modeling_llama4 as m
+
+    cfg = c.Llama4TextConfig(**_COMMON, head_dim=8, intermediate_size=8,
+                             intermediate_size_mlp=24, num_local_experts=4,
+                             num_experts_per_tok=top_k, interleave_moe_layer_step=moe_step)
+    return m.Llama4ForCausalLM(cfg)
+
+
+def _llama4_top2():
+    return _llama4(top_k=2, moe_step=2)
+
+
 FACTORIES = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "qwen3_5_moe": _qwen3_5_moe,
              "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
              "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2,
              "minimax_m3": _minimax_m3, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next,
              "qwen3_vl_moe": _qwen3_vl_moe, "deepseek_v32": _deepseek_v32,
              "glm4_moe_lite": _glm4_moe_lite, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
-             "hunyuan_v1_moe": _hunyuan_v1_moe, "step3p7": _step3p7}
+             "hunyuan_v1_moe": _hunyuan_v1_moe, "step3p7": _step3p7, "llama4": _llama4,
+             "llama4_top2": _llama4_top2}
 SUPPORTED = list(FACTORIES)
+# Factories that are a variant of a preset, under another name.
+VARIANTS = {"llama4_top2": "llama4"}
+
+
+def preset_of(name: str):
+    """The preset a factory's model converts with."""
+    return PRESETS[VARIANTS.get(name, name)]
 
 
 def available(name: str) -> bool:
     """Whether the installed transformers has the preset's model (newer ones, e.g.
     minimax_m3, deepseek_v32 or step3p7, are missing from older transformers: their tests
     skip)."""
-    return PRESETS[name].available()
+    return preset_of(name).available()
 
 
 AVAILABLE = [n for n in SUPPORTED if available(n)]
@@ -227,15 +252,16 @@ def preset_params(names):
     import pytest
 
     return [pytest.param(n, marks=pytest.mark.skipif(
-        not available(n), reason=f"{n} needs transformers >= {PRESETS[n].min_transformers}"))
+        not available(n), reason=f"{n} needs transformers >= {preset_of(n).min_transformers}"))
         for n in names]
 
 
 def make_model(name: str, seed: int = 0):
     """A float32 model with non-degenerate routing: weights N(0, 0.02), routers N(0, 1)
-    (HunYuan's ``gate.wg`` too), experts N(0, 0.1) (GPT-OSS's expert biases included),
-    score-correction biases N(0, 0.5) (buffers, and ERNIE-4.5's frozen parameter),
-    so scores are far from ties; other 1-d parameters (GPT-OSS's router bias) N(0, 0.1)."""
+    (HunYuan's ``gate.wg`` and Llama-4's ``feed_forward.router`` too), experts N(0, 0.1)
+    (GPT-OSS's expert biases included), score-correction biases N(0, 0.5) (buffers, and
+    ERNIE-4.5's frozen parameter), so scores are far from ties; other 1-d parameters
+    (GPT-OSS's router bias) N(0, 0.1)."""
     torch.manual_seed(seed)
     model = FACTORIES[name]().float()
     model.config._attn_implementation = "eager"
@@ -244,7 +270,8 @@ def make_model(name: str, seed: int = 0):
         for pname, p in model.named_parameters():
             if "norm" in pname and p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif pname.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.gate.wg.weight")):
+            elif pname.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.gate.wg.weight",
+                                 "feed_forward.router.weight")):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif pname.endswith("e_score_correction_bias"):  # ERNIE-4.5's, a frozen parameter
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))

@@ -13,6 +13,7 @@ from tests.hf.models import (
     SUPPORTED,
     assert_close,
     assert_outputs_close,
+    available,
     batch,
     make_model,
     preset_params,
@@ -167,7 +168,7 @@ def test_autocast_block_within_bfloat16_rounding(name):
         m.train()
         a.requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
-            out = _hidden(m(a))
+            out = _hidden(m(a)).view(a.shape)  # Llama-4's block returns (T, H)
         (out.double() * g.double()).sum().backward()
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
         results.append((out, a.grad, grads))
@@ -182,7 +183,8 @@ def test_autocast_block_within_bfloat16_rounding(name):
 
 
 def _hidden(out):
-    return out[0] if isinstance(out, tuple) else out  # GPT-OSS: (hidden, router_scores)
+    # GPT-OSS: (hidden, router_scores); Llama-4: (hidden, router_logits).
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _blocks_like(ref, conv):
@@ -553,3 +555,87 @@ def test_a_block_the_layer_cannot_run_is_refused_by_name_before_any_converts():
                                          r"n_group and topk_group in the config, got \(None, 2\)"):
         convert(model)
     assert converted_blocks(model) == []
+
+
+@pytest.mark.parametrize("name", preset_params(["llama4", "llama4_top2"]))
+def test_llama4_maps_to_pre_weighted_sigmoid_and_converts_its_moe_layers_only(name):
+    """Llama-4's block: sigmoid of the chosen logits, unnormalised, weighting the experts'
+    inputs (score_apply="pre"), experts transposed as halves; only the decoder layers in
+    config.moe_layers hold one (the top-2 model interleaves a dense layer 0). The block
+    returns (out (T, H), router_logits) as HF's does."""
+    ref = make_model(name)
+    conv = convert(copy.deepcopy(ref))
+    blocks = converted_blocks(conv)
+    assert [n for n, _ in blocks] == [f"model.layers.{i}.feed_forward"
+                                      for i in ref.config.moe_layers]
+    assert ref.config.moe_layers == ([0, 1] if name == "llama4" else [1])
+    for _, b in blocks:
+        c = b.moe_layer.config
+        assert (c.score_func, c.norm_topk_prob, c.score_apply, c.gate_up_layout, c.activation,
+                c.top_k) == ("sigmoid", False, "pre", "halves", "swiglu",
+                             ref.config.num_experts_per_tok)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(4))
+    layer = ref.config.moe_layers[0]
+    with torch.no_grad():
+        (got, got_logits), (want, want_logits) = (
+            m.model.layers[layer].feed_forward(x) for m in (conv, ref))
+    assert got.shape == want.shape == (16, 16)
+    assert_close(got, want, f"{name} block")
+    assert_close(got_logits, want_logits, f"{name} router logits")
+
+
+@pytest.mark.parametrize("name", preset_params(["llama4", "llama4_top2"]))
+def test_llama4_chooses_on_the_logits_where_float32_sigmoids_tie(name):
+    """HF takes the top-k of the logits, then the sigmoid of the chosen ones: logits above
+    ~17 all have the float32 sigmoid 1.0, so a choice on the scores would take the lower
+    index where HF takes the larger logit. The converted block chooses as HF does, forward
+    and backward, and under HF's checkpointing (whose recompute replays the choice)."""
+    ref = make_model(name)
+    layer = ref.config.moe_layers[0]
+    block = ref.model.layers[layer].feed_forward
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        # Every token's logits 17.5 + 0.5 * j for a random permutation j of the experts.
+        e, h = block.router.weight.shape
+        flat = x.reshape(-1, h)
+        perm = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(i))
+                            for i in range(flat.shape[0])]).float()
+        target = 17.5 + 0.5 * perm
+        block.router.weight.copy_(torch.linalg.lstsq(flat, target).solution.T)
+        logits = block.router(flat)[1]
+    assert torch.all(torch.sigmoid(logits) == 1.0)  # every score ties in float32
+    assert not torch.equal(logits.argmax(-1), torch.zeros_like(logits.argmax(-1)))
+    conv = convert(copy.deepcopy(ref))
+    outs = []
+    for m in (conv, ref):
+        a = x.clone().requires_grad_()
+        out, _ = m.model.layers[layer].feed_forward(a)
+        out.square().sum().backward()
+        outs.append((out, a.grad, m.model.layers[layer].feed_forward.experts.down_proj.grad))
+    for what, got, want in zip(("out", "x grad", "down_proj grad"), *outs):
+        assert_close(got, want, f"{name} {what}")
+    # The same in the whole model, under HF's reentrant checkpointing (the replay).
+    ref.train()
+    conv.train()
+    for m in (ref, conv):
+        m.zero_grad()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ids, labels = batch()
+    assert_outputs_close(run(conv, ids, labels), run(ref, ids, labels), name)
+    _assert_grads_equal(conv, ref, name)
+
+
+@pytest.mark.parametrize("value", ["pre", "post", "activation"])
+def test_llama4_score_apply_is_derived_and_refused_as_an_option(value):
+    """Llama-4 weights the experts' inputs, so its preset sets score_apply="pre" itself: a
+    user's score_apply (any value) is refused, naming why; other presets still refuse
+    "pre" (their HF weights the outputs)."""
+    if not available("llama4"):
+        pytest.skip("llama4 needs a newer transformers")
+    model = make_model("llama4")
+    with pytest.raises(ValueError, match=r"llama4: \['score_apply'\] set by the preset, not "
+                                         r"an option: HF's Llama-4 weights each expert's input"):
+        convert(model, score_apply=value)
+    assert converted_blocks(model) == []
+    with pytest.raises(ValueError, match="score_apply='pre' weights the experts' inputs"):
+        convert(make_model("qwen3_moe"), score_apply="pre")

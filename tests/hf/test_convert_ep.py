@@ -75,8 +75,9 @@ def _all_presets(rank, world):
     for ckpt in (False, True):
         for name in AVAILABLE:  # the presets whose model this transformers has
             _check_preset(rank, world, name, ckpt)
-        # The token-once exchange, with the skip: Qwen3-MoE and GPT-OSS (biases, interleaved).
-        for name in ("qwen3_moe", "gpt_oss"):
+        # The token-once exchange, with the skip: Qwen3-MoE, GPT-OSS (biases, interleaved)
+        # and Llama-4 (routing weights on the experts' inputs), where this transformers has it.
+        for name in ("qwen3_moe", "gpt_oss", *(["llama4"] if "llama4" in AVAILABLE else [])):
             _check_preset(rank, world, name, ckpt, all_to_all_dedup=True,
                           skip_recompute_combine=ckpt)
             # Routing weights applied inside the fused combine at home (biases included).

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_fn.comm.nccl_pool import release_registered_buffers
+from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.hf import convert
 
 RANK, WORLD = 0, 1
@@ -544,7 +544,7 @@ def main(argv=None):
     plot(results, png_path)
     if distributed:
         dist.barrier()
-        release_registered_buffers()  # while NCCL lives
+        release_exchange_buffers()  # while NCCL lives
         dist.destroy_process_group()
 
 

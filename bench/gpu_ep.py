@@ -36,7 +36,7 @@ import moe_fn
 from bench._gpu import environment
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.routing import Combine
-from moe_fn.comm.nccl_pool import release_registered_buffers
+from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.pure.activations import resolve_layout
 from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
 
@@ -722,7 +722,7 @@ def main():
         overlap_bench(have_deepep, results, a.tokens, a.reps)
         dump()
     dist.barrier()
-    release_registered_buffers()  # while NCCL lives
+    release_exchange_buffers()  # while NCCL lives
     dist.destroy_process_group()
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..config import MoEConfig, _positive_int
 from ..layer import MoELayer
+from ..pure.router import sorted_topk
 from ..replay import wrap_checkpoint
 from .presets import MODEL_TYPES, PRESETS, Preset
 
@@ -165,8 +166,7 @@ class HFMoELayer(MoELayer):
         if self.choose_on_logits and replay_idx is None:
             with torch.no_grad():
                 logits = F.linear(x2, *self.router_params(x2))
-                replay_idx = torch.sort(logits, dim=-1, descending=True,
-                                        stable=True)[1][:, :self.config.top_k]
+                replay_idx = sorted_topk(logits, self.config.top_k)
         return super().route(x2, replay_idx)
 
 

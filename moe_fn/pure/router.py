@@ -141,7 +141,7 @@ def check_replayed_route(topk_idx, num_tokens: int, top_k: int) -> None:
                          f"{topk_idx.dtype} {tuple(topk_idx.shape)}")
 
 
-def _sorted_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+def sorted_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries per row: descending, ties to the lower index."""
     return torch.sort(x, dim=-1, descending=True, stable=True)[1][:, :k]
 
@@ -158,12 +158,12 @@ def _choose(scores, bias, *, top_k, n_group, topk_group, group_score):
             gscore = grouped.topk(2, dim=-1).values.sum(dim=-1)
         else:
             gscore = grouped.amax(dim=-1)
-        keep_groups = _sorted_topk(gscore, topk_group)
+        keep_groups = sorted_topk(gscore, topk_group)
         keep = torch.zeros(t, n_group, dtype=torch.bool, device=scores.device)
         keep = keep.scatter(1, keep_groups, True)
         keep = keep[:, :, None].expand(t, n_group, per_group).reshape(t, num_experts)
         choice = choice.masked_fill(~keep, float("-inf"))
-    return _sorted_topk(choice, top_k)
+    return sorted_topk(choice, top_k)
 
 
 def router_fwd(logits, bias=None, *, top_k: int, score_func: str = "softmax",

@@ -19,8 +19,8 @@ from moe_fn import MoEConfig, MoELayer
 from moe_fn.comm.base import stream_of
 from moe_fn.comm.nccl_pool import registered_pool, release_registered_buffers
 from moe_fn.comm.peer_memory import release_peer_memory
+from moe_fn.testing import assert_close_to_ref
 from tests.dist_utils import run_distributed
-from tests.kernels.tolerance import assert_close_to_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]

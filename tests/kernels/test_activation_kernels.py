@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from moe_fn.kernels import activation as K
 from moe_fn.pure import activations as P
-from tests.kernels.tolerance import assert_close_to_ref
+from moe_fn.testing import assert_close_to_ref
 from tests.pure.test_activations import naive_act
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -21,7 +21,7 @@ from moe_fn.pure.dispatch import (
     weighted_gather_sum_fwd,
 )
 from moe_fn.pure.row_weight import RowWeightRes, row_weight_bwd
-from tests.kernels.tolerance import assert_close_to_ref
+from moe_fn.testing import assert_close_to_ref
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

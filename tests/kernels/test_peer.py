@@ -15,7 +15,7 @@ from moe_fn.kernels.peer import (
     launch_slot_sum,
 )
 from moe_fn.pure.dispatch import peer_partial_sum, slot_sum
-from tests.kernels.tolerance import assert_close_to_ref
+from moe_fn.testing import assert_close_to_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

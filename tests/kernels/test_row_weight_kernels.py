@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from moe_fn.kernels import row_weight as K
 from moe_fn.kernels.activation import interpreting
 from moe_fn.pure import row_weight as P
-from tests.kernels.tolerance import assert_close_to_ref
+from moe_fn.testing import assert_close_to_ref
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

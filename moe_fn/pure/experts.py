@@ -107,7 +107,7 @@ def experts_fwd(x, gate_up_proj, down_proj, offs, weights=None, gate_up_bias=Non
     eid = None
     if gate_up_bias is not None or down_bias is not None:
         eid = expert_of_row(offs, x.shape[0])
-    # The biases are added in place into fresh GEMM outputs (never into inputs).
+    # The gate+up bias is added in place into a fresh GEMM output (never into an input).
     if fused:
         gate_up, _ = gate_up_fused_fwd(x, gate_up_proj, offs, layout_id=layout_id)
         if gate_up_bias is not None:
@@ -123,7 +123,10 @@ def experts_fwd(x, gate_up_proj, down_proj, offs, weights=None, gate_up_bias=Non
         h, _ = impl.swiglu_fwd(gate, up, weights, act_id=act_id, alpha=alpha, limit=limit)
     y, _ = grouped_linear_fwd(h, down_proj, offs)
     if down_bias is not None:
-        y = y.add_(down_bias.index_select(0, eid))
+        # Out of place: y is what the experts' autograd.Function returns, and under
+        # torch.compile torch 2.11 (2.13 no longer) differentiates a Function whose output
+        # its forward wrote in place wrongly (every gradient off). Same bytes moved.
+        y = y + down_bias.index_select(0, eid)
     res = ExpertsRes(x, gate_up_proj, down_proj, offs, gate_up, gate, up, h, weights, act_id,
                      alpha, limit, layout_id, bool(fused), act_impl, gate_up_bias is not None,
                      down_bias is not None)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional, kernels
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, debug_checks
 from .autograd.experts import Experts
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
@@ -97,6 +97,8 @@ class MoERouter(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(config.num_experts, device=device,
                                              dtype=torch.float32))
+            self.register_load_state_dict_pre_hook(_refuse_nonfinite_bias_hook(
+                "e_score_correction_bias"))
         else:
             self.e_score_correction_bias = None
         if config.router_bias:
@@ -203,6 +205,9 @@ class MoELayer(nn.Module):
         ``replay_idx`` (a recorded route) skips the choice; the weights are recomputed."""
         c = self.config
         weight, bias = self.router_params(x2)
+        if debug_checks() and self.router.e_score_correction_bias is not None:
+            check_score_correction_bias(self.router.e_score_correction_bias,
+                                        "router.e_score_correction_bias")
         return Router.apply(x2, weight, bias, self.router.e_score_correction_bias, c.top_k,
                             c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
                             c.group_score, float(c.routed_scaling_factor), replay_idx)
@@ -348,6 +353,8 @@ class MoELayer(nn.Module):
                     "dtype (layer.to(dtype)) and cast x to it; for mixed precision (float32 "
                     "parameters, lower-precision compute, e.g. FSDP2's param_dtype with the "
                     "experts ignored) run the forward under torch.autocast")
+            if p.is_meta:
+                raise ValueError(f"{name} is on the meta device (no data): {_MATERIALIZE}")
             if p.device != x.device:
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
                                  "or the layer (layer.to(device))")
@@ -515,6 +522,8 @@ class MoELayer(nn.Module):
         if x.dim() == 0 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
+        if x.is_meta:
+            raise ValueError(_META_DEVICE)
         amp = _autocast_dtype(x)
         self._check_parameters(x, amp)
         if amp is not None:
@@ -531,6 +540,8 @@ class MoELayer(nn.Module):
 
     def _forward(self, x: torch.Tensor, return_router_logits: bool):
         c = self.config
+        if x.dtype == torch.float16:
+            _check_float16_scale(c.routed_scaling_factor)
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()
@@ -592,3 +603,41 @@ def _reads_skipped_combine(x: torch.Tensor) -> bool:
 
 
 _SKIPPED_NODE = SkippedCombine.__name__ + "Backward"
+
+
+_MATERIALIZE = ("materialize the layer first (layer.to_empty(device=...), then "
+                "layer.reset_parameters() or load a state dict)")
+_META_DEVICE = ("x is on the meta device: a MoELayer routes each token by its values (its "
+                "dispatch layout reads per-expert counts on the host), which meta tensors do "
+                f"not have. Pass a real x and {_MATERIALIZE}")
+
+
+def check_score_correction_bias(bias: torch.Tensor, name: str) -> None:
+    """A non-finite score-correction bias would silently send every token to that expert
+    (NaN wins every comparison of the choice): refuse it (a host sync)."""
+    bad = ~torch.isfinite(bias.detach())
+    if bool(bad.any()):
+        experts = bad.reshape(-1).nonzero().reshape(-1)[:8].tolist()
+        raise ValueError(f"{name} has non-finite values (experts {experts}): every token would "
+                         "be routed to such an expert. Load a finite bias (or zero it)")
+
+
+def _refuse_nonfinite_bias_hook(key: str):
+    """A load_state_dict pre-hook refusing a non-finite score-correction bias at ``key``
+    (below the module's prefix) before it is copied in."""
+    def hook(module, state_dict, prefix, *args):
+        value = state_dict.get(prefix + key)
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            check_score_correction_bias(value, f"state_dict[{prefix + key!r}]")
+    return hook
+
+
+def _check_float16_scale(factor: float) -> None:
+    """A float16 layer applies its routing weights in float16: a routed_scaling_factor past
+    float16's range overflows them to inf or flushes them to zero."""
+    f16 = torch.finfo(torch.float16)
+    if not f16.tiny <= factor <= f16.max:
+        raise ValueError(f"routed_scaling_factor={factor!r} lies outside float16's range "
+                         f"[{f16.tiny:.3g}, {f16.max:.3g}], in which this float16 layer "
+                         "applies its routing weights: use a factor in that range, or run "
+                         "the layer in bfloat16 or float32")

@@ -100,6 +100,14 @@ def router_validate(num_experts: int, *, top_k: int, score_func: str = "softmax"
         raise ValueError(
             f"routed_scaling_factor must be a positive finite number, got {routed_scaling_factor!r}"
         )
+    # The routing weights are float32 (float64 only for a float64 layer): a factor past
+    # float32's range makes them inf (outputs inf/NaN) or exactly zero (outputs zero).
+    f32 = torch.finfo(torch.float32)
+    if not f32.tiny <= routed_scaling_factor <= f32.max:
+        raise ValueError(
+            f"routed_scaling_factor={routed_scaling_factor!r} lies outside float32's range "
+            f"[{f32.tiny:.3g}, {f32.max:.3g}], the dtype of the routing weights it scales "
+            "(they would become inf or zero): use a factor in that range (DeepSeek-V3's is 2.5)")
     if top_k > num_experts:
         raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts % n_group:

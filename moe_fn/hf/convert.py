@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig, _positive_int
-from ..layer import MoELayer
+from ..layer import MoELayer, _refuse_nonfinite_bias_hook
 from ..pure.router import sorted_topk
 from ..replay import wrap_checkpoint
 from .presets import MODEL_TYPES, PRESETS, Preset
@@ -177,7 +177,16 @@ class _RecordingRouter:
 
     def forward(self, *args, _moe_fn_output=None, **kwargs):
         if _moe_fn_output is not None:
-            return _moe_fn_output
+            x, output = _moe_fn_output
+            if not args or args[0] is not x:
+                # A forward pre-hook replaced the router's input: HF would route by it.
+                raise RuntimeError(
+                    f"a forward pre-hook on the router ({type(self).__name__}) changed its "
+                    "input; the converted block routes inside its MoELayer, on the block's "
+                    "input, and would ignore the change. Hooks that only read the router's "
+                    "input work; to route on another input, leave this block unconverted "
+                    "(moe_layer_pattern)")
+            return output
         return super().forward(*args, **kwargs)
 
 
@@ -198,8 +207,22 @@ class ConvertedBlock:
         # HF's router returns (router_logits, top-k weights, top-k indices), Llama-4's
         # (scores, logits): output capture records the logits (the preset's router_output
         # places them). The weights and indices live inside the MoELayer.
-        getattr(self, self.moe_preset.router_attr)(
-            x, _moe_fn_output=self.moe_preset.router_output(logits))
+        given = self.moe_preset.router_output(logits)
+        version = logits._version
+        seen = getattr(self, self.moe_preset.router_attr)(x, _moe_fn_output=(x, given))
+        if seen is not given or logits._version != version:
+            # A forward hook replaced (or wrote into) the router's output: HF would route
+            # by it, but this block has already routed inside its MoELayer.
+            router = getattr(self, self.moe_preset.router_attr)
+            hooks = [getattr(h, "__qualname__", repr(h))
+                     for h in router._forward_hooks.values()]
+            raise RuntimeError(
+                f"a forward hook on the router ({self.moe_preset.router_attr}: "
+                f"{type(router).__name__}, hooks {hooks or 'global'}) changed its output; the "
+                "converted block routes inside its MoELayer and would ignore the change. "
+                "Hooks that only read the router's output work; to change the routing, "
+                "change the router's weights, or leave this block unconverted "
+                "(moe_layer_pattern)")
         return (out, logits) if return_router_logits else out
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -246,6 +269,8 @@ class _ReplayCheckpointLayer:
         if fn is not None and not getattr(fn, "moe_fn_replay", False):
             if reentrant is not None:
                 fn = wrap_checkpoint(fn, use_reentrant=reentrant)
+                if reentrant:
+                    _warn_untrained_aux_loss(self)
                 skipping = [m.moe_layer for m in self.modules()
                             if isinstance(m, ConvertedBlock)
                             and m.moe_layer.config.skip_recompute_combine]
@@ -293,6 +318,19 @@ class _ReplayCheckpointLayer:
             raise ValueError(_unreadable_refusal(fn, needs))
         what, fix = _unreadable_text(fn)
         warnings.warn(f"{what}: {fix}", stacklevel=3)
+
+
+def _warn_untrained_aux_loss(decoder_layer) -> None:
+    coefs = {m.__dict__.get("_moe_fn_aux_loss_coef") for m in decoder_layer.modules()
+             if isinstance(m, ConvertedBlock)}
+    coefs = sorted(c for c in coefs if c)
+    if coefs:
+        warnings.warn(
+            f"transformers' load-balancing loss (router_aux_loss_coef={coefs[0]}) does not "
+            "train the routers under reentrant gradient checkpointing: it is computed from "
+            "router logits recorded in the checkpoint's forward, which runs without autograd, "
+            "so the loss has no gradient (transformers' own model behaves the same). "
+            "Checkpoint non-reentrantly (use_reentrant=False) for it to train", stacklevel=4)
 
 
 def _replay_needs(settings) -> list[str]:
@@ -458,7 +496,8 @@ def _block_config(name, block, preset: Preset, text_config, ep_size, options) ->
                          f"run: {e}") from None
 
 
-def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_size):
+def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_size,
+                   aux_loss_coef: float = 0.0):
     experts = getattr(block, preset.experts_attr)
     router = getattr(block, preset.router_attr)
     gate_up = _ExpertsView(block, preset).gate_up_proj
@@ -477,6 +516,9 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
     layer.train(block.training)
     block.__dict__["_moe_fn_layer"] = layer
     block.__dict__["_moe_fn_preset"] = preset
+    block.__dict__["_moe_fn_aux_loss_coef"] = aux_loss_coef
+    if preset.bias_attr is not None:
+        block.register_load_state_dict_pre_hook(_refuse_nonfinite_bias_hook(preset.bias_attr))
     router.__class__ = _subclass(_RecordingRouter, type(router))
     block.__class__ = _subclass(ConvertedBlock, type(block))
 
@@ -520,8 +562,11 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     # Every block's config first: a refusal leaves the model whole.
     configs = [_block_config(name, block, p, text_config, ep_size, options)
                for name, block in blocks]
+    # HF adds its load-balancing loss when the config asks for router logits.
+    aux_coef = (getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
+                if getattr(text_config, "output_router_logits", False) else 0.0)
     for (name, block), config in zip(blocks, configs):
-        _convert_block(block, p, config, process_group, ep_size)
+        _convert_block(block, p, config, process_group, ep_size, aux_coef)
         _enable_replay(model, name)
     return model
 

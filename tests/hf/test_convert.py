@@ -463,7 +463,7 @@ def test_skip_under_a_non_reentrant_hf_checkpoint_warns():
         conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     import warnings
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("error", message="skip_recompute_combine", category=UserWarning)
         conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 

@@ -32,12 +32,13 @@ Semantics (the layer's documented contract; see ``MoEConfig``):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..config import MoEConfig
+if TYPE_CHECKING:  # read for its fields only
+    from ..config import MoEConfig
 
 # The activations' constants where a config leaves them None (GPT-OSS's values).
 DEFAULT_ALPHA = 1.702

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import CudaEventClock, benchmark_entry, write_benchmark_json
 from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.hf import convert
 
@@ -195,27 +195,19 @@ def batches(args, n: int, vocab: int, seq: int, device):
 
 
 class Timer:
+    """The suite's clock around a block: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.clock = CudaEventClock() if device.type == "cuda" else time.perf_counter
 
     def __enter__(self):
-        if self.cuda:
-            self.s = torch.cuda.Event(enable_timing=True)
-            self.e = torch.cuda.Event(enable_timing=True)
-            self.s.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.start = self.clock()
         return self
 
     def __exit__(self, *exc):
         if exc[0] is not None:
             return False
-        if self.cuda:
-            self.e.record()
-            torch.cuda.synchronize()
-            self.ms = self.s.elapsed_time(self.e)
-        else:
-            self.ms = 1e3 * (time.perf_counter() - self.t0)
+        self.ms = 1e3 * (self.clock() - self.start)
         return False
 
 
@@ -360,9 +352,17 @@ def summarise(args, results):
 
 
 def write(results, out_path):
+    """The suite's format: each arm's timed steps (after warm-up) as a benchmark, the
+    results beside them."""
     if RANK == 0 and out_path:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        warm = results.get("warmup", 0)
+        entries = [benchmark_entry(f"e2e step · {results.get('mode')}", name,
+                                   [t / 1e3 for t in r["step_ms"][warm:]],
+                                   extra_info={k: r.get(k) for k in (
+                                       "speedup_vs_baseline", "paired_speedup_vs_baseline")})
+                   for name, r in results.get("arms", {}).items()
+                   if (r.get("step_ms") or [])[warm:]]
+        write_benchmark_json(out_path, entries, **results)
 
 
 def plot(results, png_path):

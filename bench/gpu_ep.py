@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import functools
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moe_fn
-from bench._gpu import environment
+from bench.harness import CLOCK, entries_from_tables, environment, write_benchmark_json
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.routing import Combine
 from moe_fn.comm.teardown import release_exchange_buffers
@@ -49,20 +48,17 @@ def say(*a):
 
 
 def time_once(fn, busy_cycles=0):
-    """One ranks-synchronised CUDA-event timing of ``fn()``: the max over ranks, in ms.
-    With ``busy_cycles`` the GPU first sleeps that long, so that the host has queued
-    ``fn``'s work before the clock starts (as when other layers' work runs ahead): the
-    time the GPU takes, without waiting for the host."""
+    """One ranks-synchronised timing of ``fn()`` by the suite's CUDA-event clock: the max
+    over ranks, in ms. With ``busy_cycles`` the GPU first sleeps that long, so that the host
+    has queued ``fn``'s work before the clock starts (as when other layers' work runs
+    ahead): the time the GPU takes, without waiting for the host."""
     torch.cuda.synchronize()
     dist.barrier()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if busy_cycles:
         torch.cuda._sleep(busy_cycles)
-    s.record()
+    start = CLOCK()
     fn()
-    e.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([s.elapsed_time(e)], device="cuda")
+    t = torch.tensor([(CLOCK() - start) * 1e3], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -707,8 +703,11 @@ def main():
 
     def dump():  # after every section, so a run cut short keeps what it measured
         if RANK == 0 and a.out:
-            with open(a.out, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+            # The suite's format: its tables' times as benchmarks, the tables beside them.
+            entries = entries_from_tables(
+                {k: v for k, v in results.items() if isinstance(v, dict) and k != "env"},
+                prefix=f"ep{WORLD}", note=f"median over --reps {a.reps}, max over ranks")
+            write_benchmark_json(a.out, entries, **results)
     if "parity" in only:
         parity(have_deepep, results)
         dump()

@@ -1,8 +1,10 @@
-"""Where a MoELayer forward (and backward) spends its GPU time: a torch.profiler kernel table,
-plus the event-timed wall time against the sum of kernel times (a gap means the GPU waited
-for the host: launch overhead or a host sync).
+"""Where a MoELayer's GPU time goes: a torch.profiler table of its kernels, and the
+event-timed call (the suite's clock) against the sum of its kernel times (a gap is time the
+GPU waited for the host: launch overhead or a host sync). The layer is the suite's
+(``bench/shapes.py``: model, arm).
 
-    python bench/profile_layer.py [--tokens 8192] [--experts 128] [--top-k 8] [--phase fwd]
+    python bench/profile_layer.py [--model qwen3-30b-a3b] [--tokens 8192] \
+        [--arm moe_fn|moe_fn-fused] [--phase fwd|fwd+bwd] [--trace trace.json] [--out p.json]
 """
 
 from __future__ import annotations
@@ -15,49 +17,69 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._gpu import cuda_time
-from moe_fn import MoEConfig, MoELayer
+from bench import harness, shapes
+from moe_fn import MoELayer
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=30)
-    ap.add_argument("--phase", choices=("fwd", "fwd_bwd"), default="fwd_bwd")
-    ap.add_argument("--gate-up-impl", choices=("fused", "separate"), default="fused")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=shapes.QWEN3.name,
+                    choices=[m.name for m in (shapes.QWEN3, shapes.MIXTRAL,
+                                              shapes.DEEPSEEK_V3_RANK, shapes.SMALL)])
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--arm", choices=list(shapes.MOE_FN_ARMS), default="moe_fn")
+    ap.add_argument("--phase", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=30, help="kernel table rows")
     ap.add_argument("--trace", default=None, help="write a chrome trace here")
-    a = ap.parse_args()
-    cfg = MoEConfig(hidden_size=2048, intermediate_size=768, num_experts=a.experts,
-                    top_k=a.top_k, gate_up_impl=a.gate_up_impl, row_weighting_impl="fused",
-                    combine_impl="fused")
-    layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(a.tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ap.add_argument("--out", default=None, help="JSON (the suite's format)")
+    a = ap.parse_args(argv)
+    if not harness.HAS_CUDA:
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    model = next(m for m in (shapes.QWEN3, shapes.MIXTRAL, shapes.DEEPSEEK_V3_RANK,
+                             shapes.SMALL) if m.name == a.model)
+    if a.tokens:
+        model = model.with_tokens(a.tokens)
+    layer = MoELayer(model.config(**shapes.MOE_FN_ARMS[a.arm]), device="cuda",
+                     dtype=torch.bfloat16)
+    x = torch.randn(model.tokens, model.hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
     dy = torch.randn_like(x)
 
     def step():
         layer.zero_grad(set_to_none=True)  # no gradient accumulation pass
         x.grad = None
         out = layer(x)
-        if a.phase == "fwd_bwd":
+        if a.phase == "fwd+bwd":
             out.backward(dy)
 
-    wall = cuda_time(step, reps=20)
+    times = harness.time_rounds(step, rounds=a.rounds, warmup=5)
     reps = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
-    kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"phase {a.phase}: event-timed {wall:.3f} ms, sum of kernel times "
-          f"{kernel_us / reps / 1e3:.3f} ms per call")
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in kernels) / reps / 1e3
+    wall = harness.median_ms(times)
+    print(f"{model.name} {a.arm} {a.phase}: event-timed {wall:.3f} ms, sum of kernel "
+          f"times {kernel_ms:.3f} ms per call")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows,
                                     max_name_column_width=70))
     if a.trace:
         prof.export_chrome_trace(a.trace)
+    breakdown = {e.key: getattr(e, "self_device_time_total", 0) / reps / 1e3
+                 for e in kernels}
+    entry = harness.benchmark_entry(
+        f"layer profile · {model.name} {a.phase}", a.arm, times,
+        params={"model": model.name, "arm": a.arm, "phase": a.phase},
+        extra_info={"kernel_ms_sum": kernel_ms, "kernel_ms": breakdown,
+                    "options": shapes.MOE_FN_ARMS[a.arm]})
+    harness.write_benchmark_json(a.out, [entry])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moe_fn import functional
+from moe_fn.testing import reference_experts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -19,23 +19,7 @@ BF16_STEP = 2.0 ** -8
 
 
 def naive_experts(x, gate_up, down, counts, activation, layout):
-    outs, start = [], 0
-    i = down.shape[-1]
-    for e, c in enumerate(counts):
-        xe = x[start:start + c]
-        start += c
-        gu = xe @ gate_up[e].t()
-        g, u = (gu[:, :i], gu[:, i:]) if layout == "halves" else (gu[:, 0::2], gu[:, 1::2])
-        if activation == "swiglu":
-            a = F.silu(g) * u
-        elif activation == "geglu_tanh":
-            a = F.gelu(g, approximate="tanh") * u
-        else:
-            gc, uc = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
-            a = F.silu(gc) * uc if activation == "swiglu_clamped" else \
-                (uc + 1) * gc * torch.sigmoid(1.702 * gc)
-        outs.append(a @ down[e].t())
-    return torch.cat(outs)
+    return reference_experts(x, gate_up, down, counts, activation=activation, layout=layout)
 
 
 def _err(a, ref):

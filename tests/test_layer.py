@@ -1,5 +1,5 @@
-"""MoELayer: single process against a naive oracle; expert parallelism over gloo against a
-single-process layer holding every expert."""
+"""MoELayer: single process against the dense float64 reference (moe_fn.testing); expert
+parallelism over gloo against the reference holding every expert (tests/ep_cases.py)."""
 
 from __future__ import annotations
 
@@ -8,67 +8,16 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.comm import base
+from moe_fn.testing import MoEParams, reference_moe
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
-
-
-def naive_moe(x, router_w, gate_up, down, cfg: MoEConfig, bias=None, router_b=None,
-              gate_up_b=None, down_b=None):
-    """Per-token loops over the chosen experts, written from the formulas (float64).
-    ``router_b`` is added to the logits; ``gate_up_b`` / ``down_b`` inside each expert
-    (the routing weight scales the expert's whole output, down bias included)."""
-    logits = x @ router_w.t()
-    if router_b is not None:
-        logits = logits + router_b
-    if cfg.score_func == "softmax_topk":
-        scores = logits
-    else:
-        scores = (torch.softmax(logits, -1) if cfg.score_func == "softmax"
-                  else torch.sigmoid(logits))
-    choice = scores if bias is None else scores + bias
-    idx = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, : cfg.top_k]
-    w = scores.gather(1, idx)
-    if cfg.score_func == "softmax_topk":
-        w = torch.softmax(w, -1)
-    if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    w = w * cfg.routed_scaling_factor
-    i = cfg.intermediate_size
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(cfg.top_k):
-            e = int(idx[t, j])
-            pre = cfg.score_apply == "pre"
-            gu = gate_up[e] @ (x[t] * w[t, j] if pre else x[t])
-            if gate_up_b is not None:
-                gu = gu + gate_up_b[e]
-            g, u = (gu[:i], gu[i:]) if cfg.gate_up_layout == "halves" else (gu[0::2], gu[1::2])
-            if cfg.activation == "swiglu":
-                a = F.silu(g) * u
-            elif cfg.activation == "geglu_tanh":
-                a = F.gelu(g, approximate="tanh") * u
-            else:
-                lim = cfg.activation_limit or 7.0
-                gc, uc = g.clamp(max=lim), u.clamp(-lim, lim)
-                if cfg.activation == "swiglu_clamped":
-                    a = F.silu(gc) * uc
-                else:
-                    al = cfg.activation_alpha or 1.702
-                    a = (uc + 1) * gc * torch.sigmoid(al * gc)
-            y = down[e] @ a if down_b is None else down[e] @ a + down_b[e]
-            out[t] += (1.0 if pre else w[t, j]) * y
-    return out, logits
-
-
-def _cfg(**kw):
-    base = dict(hidden_size=8, intermediate_size=6, num_experts=4, top_k=2)
-    base.update(kw)
-    return MoEConfig(**base)
+from tests.ep_cases import EP_CASES, ep_case
+from tests.ep_cases import randomize as _randomize
+from tests.ep_cases import small_config as _cfg
 
 
 @pytest.mark.parametrize("kw", [
@@ -85,7 +34,7 @@ def _cfg(**kw):
     # DeepSeek-V3 / MiniMax: a score-correction bias steers the choice, not the weights.
     dict(score_correction_bias=True, score_func="sigmoid", norm_topk_prob=True),
 ])
-def test_layer_matches_naive_oracle(kw):
+def test_layer_matches_the_reference(kw):
     torch.manual_seed(0)
     cfg = _cfg(**kw)
     layer = MoELayer(cfg, dtype=torch.float64)
@@ -106,8 +55,8 @@ def test_layer_matches_naive_oracle(kw):
             layer.router.bias, layer.experts.gate_up_proj_bias, layer.experts.down_proj_bias)
     params = [None if p is None else p.detach().clone().requires_grad_() for p in mods]
     x2 = x.detach().clone().requires_grad_()
-    ref, ref_logits = naive_moe(x2.reshape(-1, 8), *params[:3], cfg, choice_bias,
-                                *params[3:])
+    ref, ref_logits, _ = reference_moe(x2.reshape(-1, 8), MoEParams(
+        *params[:4], choice_bias, *params[4:]), cfg)
     (ref.reshape(out.shape) * g).sum().backward()
     torch.testing.assert_close(out, ref.reshape(out.shape))
     torch.testing.assert_close(logits, ref_logits)
@@ -122,17 +71,6 @@ def _unbiased(layer):
     copy_.load_state_dict(layer.state_dict())
     copy_.router.e_score_correction_bias.zero_()
     return copy_
-
-
-def _randomize(layer):
-    with torch.no_grad():
-        layer.router.weight.normal_(0, 1.0)
-        layer.experts.gate_up_proj.normal_(0, 0.5)
-        layer.experts.down_proj.normal_(0, 0.5)
-        for p in (layer.router.bias, layer.experts.gate_up_proj_bias,
-                  layer.experts.down_proj_bias):
-            if p is not None:
-                p.normal_(0, 0.5)
 
 
 def test_biases_are_parameters_and_need_post_weighting():
@@ -240,94 +178,6 @@ def test_expert_biases_must_have_the_inputs_dtype_and_device(attr):
 
 # ---- expert parallelism over gloo ---------------------------------------------------------
 
-def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64):
-    """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against one float64
-    layer holding every expert and every rank's tokens (float32: within its rounding)."""
-    torch.manual_seed(seed)
-    cfg_full = _cfg(**kw)
-    ref = MoELayer(cfg_full, dtype=torch.float64)
-    _randomize(ref)
-    with torch.no_grad():
-        if cfg_full.score_correction_bias:
-            # Steer every token away from the last rank's experts and from expert 0.
-            bias = torch.zeros(cfg_full.num_experts, dtype=torch.float32)
-            e_local = cfg_full.num_experts // world
-            bias[-e_local:] = -100.0
-            bias[0] = -100.0
-            ref.router.e_score_correction_bias.copy_(bias)
-    xs = [torch.randn(n, cfg_full.hidden_size, dtype=torch.float64) for n in tokens_per_rank]
-    gs = [torch.randn_like(x) for x in xs]
-    x_all = torch.cat(xs).requires_grad_()
-    out_all = ref(x_all)
-    (out_all * torch.cat(gs)).sum().backward()
-
-    cfg = _cfg(**{**kw, "comm_backend": "all_to_all", "ep_size": world, **(exchange_kw or {})})
-    layer = MoELayer(cfg, dtype=dtype)
-    e_local = cfg.num_local_experts
-    sl = slice(rank * e_local, (rank + 1) * e_local)
-    with torch.no_grad():
-        layer.router.weight.copy_(ref.router.weight)
-        layer.experts.gate_up_proj.copy_(ref.experts.gate_up_proj[sl])
-        layer.experts.down_proj.copy_(ref.experts.down_proj[sl])
-        if cfg.router_bias:
-            layer.router.bias.copy_(ref.router.bias)
-        if cfg.expert_bias:
-            layer.experts.gate_up_proj_bias.copy_(ref.experts.gate_up_proj_bias[sl])
-            layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
-        if cfg.score_correction_bias:
-            layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
-    x = xs[rank].to(dtype).requires_grad_()
-    out = layer(x)
-    (out * gs[rank].to(dtype)).sum().backward()
-
-    def assert_close(got, want):
-        tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-        if dtype == torch.float64 and cfg.comm_backend == "deepep":
-            # DeepEP's API carries routing weights (and their gradients) as float32.
-            tol = dict(rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got, want.to(dtype), **tol)
-    start = sum(tokens_per_rank[:rank])
-    rows = slice(start, start + tokens_per_rank[rank])
-    assert_close(out, out_all[rows].detach())
-    assert_close(x.grad, x_all.grad[rows])
-    router_grad = layer.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
-    assert_close(router_grad, ref.router.weight.grad)
-    if cfg.router_bias:
-        bias_grad = layer.router.bias.grad.clone()
-        dist.all_reduce(bias_grad)
-        assert_close(bias_grad, ref.router.bias.grad)
-    assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
-    assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
-    if cfg.expert_bias:
-        for name in ("gate_up_proj_bias", "down_proj_bias"):
-            assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl])
-    c = layer.exchange.counters
-    assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
-    if cfg.score_correction_bias:
-        # The bias steers every token off expert 0 and off the last rank: they see no rows.
-        assert float(ref.experts.down_proj.grad[0].abs().sum()) == 0.0
-        if rank == world - 1:
-            assert float(layer.experts.down_proj.grad.abs().sum()) == 0.0
-    # Without grad mode (a reentrant checkpoint's first forward) the combine keeps nothing
-    # and may read rows where they are: the same sums in the same order, the same output.
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), out.detach(), rtol=0, atol=0)
-
-
-EP_CASES = [
-    dict(num_experts=8, top_k=2),
-    # Fused weighting: folded into the per-token sum of the token-once exchange.
-    dict(num_experts=8, top_k=3, row_weighting_impl="fused"),
-    dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
-    dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
-    # Steered routing: expert 0 and the whole last rank receive no rows.
-    dict(num_experts=8, top_k=2, score_correction_bias=True, score_func="sigmoid"),
-    dict(num_experts=8, top_k=2, router_bias=True, expert_bias=True, score_func="softmax_topk",
-         norm_topk_prob=False, activation="swiglu_oai", gate_up_layout="interleaved"),
-]
-
-
 def _ep_body(rank, world, tokens_per_rank):
     fake_deep_ep.install()  # comm_backend="deepep" over gloo, in this process
     # One process group runs every case: spawning processes dominates the test's time.
@@ -336,7 +186,7 @@ def _ep_body(rank, world, tokens_per_rank):
             kw = dict(kw)
             if kw["top_k"] == "E/ep":
                 kw["top_k"] = kw["num_experts"] // world
-            _ep_case(rank, world, kw, tokens_per_rank, 1234 + n, exchange_kw)
+            ep_case(rank, world, kw, tokens_per_rank, 1234 + n, exchange_kw)
 
 
 # The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport

@@ -10,7 +10,7 @@ import torch
 
 from moe_fn.kernels.activation import interpreting
 from tests.dist_utils import run_distributed
-from tests.test_layer import EP_CASES, _ep_case
+from tests.ep_cases import EP_CASES, ep_case
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TOKENS = {2: [6, 4], 3: [5, 0, 7]}  # world 3: a rank without tokens of its own
@@ -63,9 +63,9 @@ def _body(rank, world, tokens):
             if kw["top_k"] == "E/ep":
                 kw["top_k"] = kw["num_experts"] // world
             calls.clear()
-            _ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
+            ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
                      dtype=torch.float32)
-            # (_ep_case ends with a forward without grad mode.)
+            # (ep_case ends with a forward without grad mode.)
             if combine_impl == "fused" and kw.get("score_apply", "post") == "post":
                 # The dispatch places own rows and arrivals; the weighted combine, whose
                 # backward needs the rows, buffers them (its sum is the op, not counted

@@ -325,7 +325,7 @@ def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr
                       HAS_DIDX: tl.constexpr, VB: tl.constexpr, VB_P: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
                       PERSISTENT: tl.constexpr):
-    # ROWS rows a block (bench/gpu_gather.py sweeps it and BLOCK_C): one block per program,
+    # ROWS rows a block (swept with BLOCK_C: bench/RESULTS.md, gather.json): one block per program,
     # or on a capped grid (PERSISTENT) every num_programs-th block.
     if PERSISTENT:
         for blk in range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0)):
@@ -338,8 +338,8 @@ def _pack_rows_kernel(rows_ptr, index_ptr, vals_ptr, vidx_ptr, didx_ptr, out_ptr
                     HAS_VALS, HAS_VIDX, HAS_DIDX, VB, VB_P, ROWS, BLOCK_C, VEC)
 
 
-# Rows per program and columns per step of the packing/gather kernel (the device bench
-# sweeps them: bench/gpu_gather.py).
+# Rows per program and columns per step of the packing/gather kernel (from a sweep on an
+# H200: bench/RESULTS.md, gather.json).
 PACK_ROWS, PACK_BLOCK_C, PACK_WARPS = 4, 1024, 8
 
 

@@ -1,5 +1,36 @@
-"""Public helpers for testing MoE layers: the tolerance rule (``tolerance``)."""
+"""Public helpers for testing MoE layers and one's own MoE code.
 
+- The tolerance rule (``assert_close_to_ref``, ``error_bound``, ...): a result's error
+  against float64 may be at most twice plain same-precision PyTorch's, plus one rounding
+  step.
+- A dense reference MoE written from the formulas, independent of moe_fn's
+  implementation (``reference_moe``, ``reference_route``, ``reference_experts``,
+  ``reference_activation``), its parameter record ``MoEParams`` and helpers to move
+  parameters between it and a ``MoELayer`` (``layer_params``, ``load_params``,
+  ``random_params``).
+- ``gradcheck_layer``: a MoELayer (or a config) in float64 against autograd of the
+  reference: output, router logits, and every gradient.
+- ``moe_fn.testing.strategies`` (imported on its own; needs ``hypothesis``): configs,
+  cases with empty experts and no tokens, token counts per rank.
+"""
+
+from .gradcheck import gradcheck_layer
+from .reference import (
+    MoEOutput,
+    MoEParams,
+    Route,
+    layer_params,
+    load_params,
+    random_params,
+    reference_activation,
+    reference_experts,
+    reference_moe,
+    reference_route,
+    split_gate_up,
+)
 from .tolerance import assert_close_to_ref, error_bound, max_error, rounding_step
 
-__all__ = ["assert_close_to_ref", "error_bound", "max_error", "rounding_step"]
+__all__ = ["MoEOutput", "MoEParams", "Route", "assert_close_to_ref", "error_bound",
+           "gradcheck_layer", "layer_params", "load_params", "max_error", "random_params",
+           "reference_activation", "reference_experts", "reference_moe", "reference_route",
+           "rounding_step", "split_gate_up"]

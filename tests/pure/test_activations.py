@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moe_fn.pure.activations import (
     ACTIVATIONS,
@@ -14,21 +13,9 @@ from moe_fn.pure.activations import (
     swiglu_packed_bwd,
     swiglu_packed_fwd,
 )
+from moe_fn.testing import reference_activation
 
 ALPHA, LIMIT = 1.5, 0.75  # a small limit so the clamps are exercised by randn inputs
-
-
-def naive_act(g, u, name, alpha=ALPHA, limit=LIMIT):
-    if name == "swiglu":
-        return F.silu(g) * u
-    if name == "swiglu_clamped":
-        return F.silu(torch.clamp(g, max=limit)) * torch.clamp(u, -limit, limit)
-    if name == "swiglu_oai":
-        gc = torch.clamp(g, max=limit)
-        return (torch.clamp(u, -limit, limit) + 1) * gc * torch.sigmoid(alpha * gc)
-    if name == "geglu_tanh":
-        return F.gelu(g, approximate="tanh") * u
-    raise AssertionError(name)
 
 
 def resolved(name):
@@ -53,7 +40,7 @@ def inputs(n=9, i=6, seed=0, dtype=torch.float64):
 def oracle_grads(g, u, w, dh, name):
     g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
     wt = None if w is None else w.clone().requires_grad_()
-    h = naive_act(g, u, name)
+    h = reference_activation(g, u, name, alpha=ALPHA, limit=LIMIT)
     if wt is not None:
         h = h * wt[:, None]
     leaves = [g, u] + ([wt] if wt is not None else [])
@@ -119,7 +106,7 @@ def test_swiglu_pair_needs_and_low_precision(name):
     hb, _ = swiglu_fwd(g.bfloat16(), u.bfloat16(), w.bfloat16(), act_id=act_id, alpha=alpha,
                        limit=limit)
     gb, ub, wb = (t.bfloat16().double() for t in (g, u, w))
-    ref = naive_act(gb, ub, name) * wb[:, None]
+    ref = reference_activation(gb, ub, name, alpha=ALPHA, limit=LIMIT) * wb[:, None]
     assert hb.dtype == torch.bfloat16
     assert (hb.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-12
 

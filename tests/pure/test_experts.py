@@ -4,7 +4,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,36 +16,14 @@ from moe_fn.pure.gate_up import (
     gate_up_separate_bwd,
     gate_up_separate_fwd,
 )
+from moe_fn.testing import reference_experts
 
 ALPHA, LIMIT = 1.5, 1.0
 
 
-def naive_act(g, u, name):
-    if name == "swiglu":
-        return F.silu(g) * u
-    if name == "swiglu_clamped":
-        return F.silu(torch.clamp(g, max=LIMIT)) * torch.clamp(u, -LIMIT, LIMIT)
-    if name == "swiglu_oai":
-        gc = torch.clamp(g, max=LIMIT)
-        return (torch.clamp(u, -LIMIT, LIMIT) + 1) * gc * torch.sigmoid(ALPHA * gc)
-    return F.gelu(g, approximate="tanh") * u
-
-
 def naive_experts(x, gup, down, counts, w, name, layout):
-    i = down.shape[2]
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        rows = x[start:start + c]
-        if layout == "halves":
-            wg, wu = gup[e, :i], gup[e, i:]
-        else:
-            wg, wu = gup[e, 0::2], gup[e, 1::2]
-        h = naive_act(rows @ wg.t(), rows @ wu.t(), name)
-        if w is not None:
-            h = h * w[start:start + c, None]
-        outs.append(h @ down[e].t())
-        start += c
-    return torch.cat(outs, dim=0)
+    return reference_experts(x, gup, down, counts, activation=name, layout=layout,
+                             alpha=ALPHA, limit=LIMIT, weights=w)
 
 
 def statics(name, layout):
@@ -229,22 +206,9 @@ def test_fused_vs_separate_bf16_error_rule(layout):
 
 
 def naive_experts_biased(x, gup, down, gub, db, counts, w, name, layout):
-    """Per expert: ``down(act(x W^T + b_gu) [* w]) + b_down``, gate/up picked from the packed
-    weight and bias by the layout (float64)."""
-    i = down.shape[2]
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        rows = x[start:start + c]
-        sel = (slice(0, i), slice(i, 2 * i)) if layout == "halves" else (slice(0, None, 2),
-                                                                         slice(1, None, 2))
-        g = rows @ gup[e, sel[0]].t() + gub[e, sel[0]]
-        u = rows @ gup[e, sel[1]].t() + gub[e, sel[1]]
-        h = naive_act(g, u, name)
-        if w is not None:
-            h = h * w[start:start + c, None]
-        outs.append(h @ down[e].t() + db[e])
-        start += c
-    return torch.cat(outs, dim=0)
+    return reference_experts(x, gup, down, counts, activation=name, layout=layout,
+                             alpha=ALPHA, limit=LIMIT, weights=w, gate_up_bias=gub,
+                             down_bias=db)
 
 
 def make_biases(e, h, i, dtype=torch.float64, seed=3):

@@ -3,10 +3,8 @@ float64 gradcheck of the backward through the weights."""
 
 from __future__ import annotations
 
-import math
 import types
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,68 +17,43 @@ from moe_fn.pure.router import (
     router_linear_fwd,
     router_validate,
 )
+from moe_fn.testing import reference_route
 
 # ----------------------------------------------------------------------------- oracle
 
 
-def oracle_route(logits, bias=None, *, top_k, score_func="softmax", norm_topk_prob=False,
-                 n_group=1, topk_group=1, group_score="top2_sum", routed_scaling_factor=1.0):
-    """Per-token loops. Scores and choice values are the same float32 tensors the router
-    documents (softmax/sigmoid/add in float32); selection, groups and weights are scalar
-    code with the documented tie rule: larger value first, then lower index."""
-    cd = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    npd = np.float64 if cd == torch.float64 else np.float32
-    lg = logits.to(cd)
+def _resolution(dtype, logits, bias, score_func):
+    """Per row: how close two choice values may be and still be ordered either way by a
+    ``dtype`` router. Twice a bound on the rounding of a choice value, in steps of ``dtype``:
+    the scores' (a softmax's sum over E, the exponentials' argument spread; a sigmoid's
+    positive argument; the logits' own size for softmax_topk), the bias add, a group sum."""
+    if not logits.numel():
+        return logits.new_zeros(logits.shape[0])
     if score_func == "softmax":
-        scores = torch.softmax(lg, dim=-1)
+        spread = (logits.amax(-1, keepdim=True) - logits).amax(-1)
     elif score_func == "sigmoid":
-        scores = torch.sigmoid(lg)
+        spread = logits.clamp(min=0).amax(-1)
     else:
-        scores = lg
-    choice = scores if bias is None else scores + bias.to(cd)
-    t_count, e_count = logits.shape
-    per_group = e_count // n_group
-    all_idx, all_w = [], []
-    for t in range(t_count):
-        c = [npd(v) for v in choice[t].tolist()]
-        s = scores[t].tolist()
-        allowed = set(range(e_count))
-        if n_group > 1:
-            gs = []
-            for g in range(n_group):
-                vals = sorted(c[g * per_group:(g + 1) * per_group], reverse=True)
-                gs.append(npd(vals[0] + vals[1]) if group_score == "top2_sum" else vals[0])
-            kept = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
-            allowed = {e for g in kept for e in range(g * per_group, (g + 1) * per_group)}
-        order = sorted(allowed, key=lambda e: (-c[e], e))[:top_k]
-        raw = [s[e] for e in order]
-        if score_func == "softmax_topk":
-            m = max(raw)
-            ex = [math.exp(v - m) for v in raw]
-            raw = [v / sum(ex) for v in ex]
-        if norm_topk_prob:
-            tot = sum(raw) + 1e-20
-            raw = [v / tot for v in raw]
-        all_idx.append(order)
-        all_w.append([v * routed_scaling_factor for v in raw])
-    idx = torch.tensor(all_idx, dtype=torch.int64).reshape(t_count, top_k)
-    w = torch.tensor(all_w, dtype=torch.float64).reshape(t_count, top_k)
-    return idx, w
+        spread = logits.abs().amax(-1)
+    b = 0.0 if bias is None else float(bias.abs().max())
+    return torch.finfo(dtype).eps * (logits.shape[1] + 8 + 2 * spread) * (1 + b)
 
 
-def oracle_weights_torch(logits, idx, bias=None, *, score_func, norm_topk_prob,
-                         routed_scaling_factor, **_):
-    """Differentiable naive weights for fixed indices (for autograd comparisons)."""
-    del bias
-    if score_func == "softmax":
-        raw = torch.softmax(logits, dim=-1).gather(1, idx)
-    elif score_func == "sigmoid":
-        raw = torch.sigmoid(logits).gather(1, idx)
-    else:
-        raw = torch.softmax(logits.gather(1, idx), dim=-1)
-    if norm_topk_prob:
-        raw = raw / (raw.sum(dim=-1, keepdim=True) + 1e-20)
-    return raw * routed_scaling_factor
+def check_against_reference(idx, w, logits, bias, cfg, *, all_decided=False):
+    """The router's choice equals moe_fn.testing.reference_route's (float64, a Python sort
+    per token) on every row its margin decides at the logits' precision; its weights equal
+    the reference's weights of the experts it chose on every row. ``all_decided``: no row
+    may be a near-tie (fixed inputs whose every choice is decided)."""
+    lg = logits.double()
+    b = None if bias is None else bias.double()
+    ref = reference_route(lg, score_correction_bias=b, **cfg)
+    near = ref.margin <= _resolution(logits.dtype, lg, b, cfg.get("score_func", "softmax"))
+    if all_decided:
+        assert not near.any(), ref.margin[near]
+    torch.testing.assert_close(idx[~near], ref.topk_idx[~near], rtol=0, atol=0)
+    own = reference_route(lg, topk_idx=idx, score_correction_bias=b, **cfg)
+    torch.testing.assert_close(w.double(), own.topk_weight, rtol=2e-6, atol=1e-7)
+    return ref
 
 
 class _RouterFn(torch.autograd.Function):
@@ -138,10 +111,8 @@ def test_router_matches_oracle(mode, with_bias):
     bias = 0.1 * torch.randn(16, generator=gen) if with_bias else None
     cfg = dict(top_k=4, **mode)
     (idx, w), _ = router_fwd(logits, bias, **cfg)
-    ref_idx, ref_w = oracle_route(logits, bias, **cfg)
     assert idx.dtype == torch.int64 and w.dtype == torch.float32
-    torch.testing.assert_close(idx, ref_idx, rtol=0, atol=0)
-    torch.testing.assert_close(w.double(), ref_w, rtol=2e-6, atol=1e-7)
+    check_against_reference(idx, w, logits, bias, cfg, all_decided=True)
 
 
 @settings(max_examples=120, deadline=None)
@@ -151,10 +122,12 @@ def test_router_matches_oracle(mode, with_bias):
     norm=st.booleans(), group_score=st.sampled_from(["top2_sum", "max"]),
     ties=st.booleans(), with_bias=st.booleans(), scale=st.sampled_from([1.0, 2.5]),
     seed=st.integers(0, 2**31 - 1), t=st.integers(0, 6),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
 )
 def test_router_oracle_hypothesis(n_group, per_group, data, score_func, norm, group_score,
-                                  ties, with_bias, scale, seed, t):
-    """Every mode, with and without ties (logits and bias from a 3-value set)."""
+                                  ties, with_bias, scale, seed, t, dtype):
+    """Every mode, with and without ties (logits and bias from a 3-value set), float32 and
+    float64 logits."""
     if group_score == "top2_sum" and n_group > 1 and per_group < 2:
         per_group = 2
     e = n_group * per_group
@@ -167,12 +140,12 @@ def test_router_oracle_hypothesis(n_group, per_group, data, score_func, norm, gr
     else:
         logits = torch.randn(t, e, generator=gen)
         bias = 0.1 * torch.randn(e, generator=gen) if with_bias else None
+    logits = logits.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     cfg = dict(top_k=top_k, score_func=score_func, norm_topk_prob=norm, n_group=n_group,
                topk_group=topk_group, group_score=group_score, routed_scaling_factor=scale)
     (idx, w), _ = router_fwd(logits, bias, **cfg)
-    ref_idx, ref_w = oracle_route(logits, bias, **cfg)
-    torch.testing.assert_close(idx, ref_idx, rtol=0, atol=0)
-    torch.testing.assert_close(w.double(), ref_w, rtol=2e-6, atol=1e-7)
+    check_against_reference(idx, w, logits, bias, cfg)
 
 
 def test_tie_rule_lower_index_wins():
@@ -346,11 +319,9 @@ def test_router_gradcheck(mode, with_bias):
     bias = 0.05 * torch.randn(16, generator=gen, dtype=torch.float64) if with_bias else None
     cfg = dict(top_k=4, **mode)
     assert torch.autograd.gradcheck(lambda x: _RouterFn.apply(x, bias, cfg), (logits,))
-    # And against autograd of the naive weights on the oracle's route.
-    ref_idx, _ = oracle_route(logits.detach(), bias, **cfg)
+    # And against autograd of the reference's weights on its route.
     d_w = torch.randn(6, 4, generator=gen, dtype=torch.float64)
-    ref = oracle_weights_torch(logits, ref_idx, bias, **{"norm_topk_prob": False,
-                                                        "routed_scaling_factor": 1.0, **mode})
+    ref = reference_route(logits, score_correction_bias=bias, **cfg).topk_weight
     (g_ref,) = torch.autograd.grad(ref, logits, d_w)
     (_, w), res = router_fwd(logits.detach(), bias, **cfg)
     torch.testing.assert_close(w, ref.detach())
@@ -375,10 +346,9 @@ def test_router_linear_pair_against_autograd(uses, with_lin_bias):
     logits, (idx, w), res = router_linear_fwd(x.detach(), weight.detach(),
                                               None if lin_b is None else lin_b.detach(), **cfg)
     naive_logits = x @ weight.t() + (0 if lin_b is None else lin_b)
-    ref_idx, _ = oracle_route(naive_logits.detach(), **cfg)
+    ref_idx, ref_w, _ = reference_route(naive_logits, **cfg)
     assert torch.equal(idx, ref_idx)
     torch.testing.assert_close(logits, naive_logits.detach())
-    ref_w = oracle_weights_torch(naive_logits, ref_idx, None, **cfg)
     loss = sum((a * b).sum() for a, b in ((ref_w, d_w), (naive_logits, d_l)) if b is not None)
     leaves = [x, weight] + ([lin_b] if lin_b is not None else [])
     want = torch.autograd.grad(loss, leaves)

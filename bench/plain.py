@@ -1,0 +1,141 @@
+"""The reference arms: MoE pieces as plain PyTorch code writes them, and transformers'
+modules with its ``grouped_mm`` experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .shapes import Model
+
+
+def route(logits, model: Model, bias=None):
+    """``(topk_weight float32 (T, k), topk_idx (T, k))`` as the HF blocks route: softmax,
+    ``torch.topk``, renormalise (Qwen3, Mixtral); or sigmoid with the choice bias, expert
+    groups by their top-2 sums, the best groups' top-k, renormalise and scale (DeepSeek-V3).
+    """
+    r, k = model.routing, model.top_k
+    if r.get("score_func", "softmax") == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+        w, idx = torch.topk(probs, k, dim=-1)
+        if r.get("norm_topk_prob"):
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * r.get("routed_scaling_factor", 1.0), idx
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias
+    t, e = choice.shape
+    g = r["n_group"]
+    group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores).scatter_(
+        1, torch.topk(group_scores, r["topk_group"], dim=-1).indices, 1.0)
+    mask = keep[:, :, None].expand(t, g, e // g).reshape(t, e)
+    idx = torch.topk(choice.masked_fill(mask == 0, float("-inf")), k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if r.get("norm_topk_prob"):
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * r.get("routed_scaling_factor", 1.0), idx
+
+
+def layout(topk_idx, num_experts: int):
+    """``(counts, offs int32, perm, inv_perm, token_of_sorted)``: a stable argsort."""
+    flat = topk_idx.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offs = counts.cumsum(0).to(torch.int32)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return counts, offs, perm, inv, perm // topk_idx.shape[1]
+
+
+def experts(x, w_gate, w_up, w_down, offs):
+    """Three ``torch._grouped_mm`` with an eager ``silu(g) * u`` between."""
+    g = torch._grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
+
+
+def grouped_linear_loop(x, weight, counts: list[int]):
+    """A Python loop of one matmul per expert."""
+    parts, start = [], 0
+    for e, c in enumerate(counts):
+        parts.append(x[start:start + c] @ weight[e].t())
+        start += c
+    return torch.cat(parts)
+
+
+class PlainLayer(torch.nn.Module):
+    """A plain PyTorch MoE layer: the HF router, a stable argsort, three grouped GEMMs with
+    an eager activation, weighted rows summed back with ``index_add``."""
+
+    def __init__(self, model: Model, router_weight, gate_up_proj, down_proj, bias=None):
+        super().__init__()
+        i = model.inter
+        self.model = model
+        self.router = torch.nn.Parameter(router_weight.detach().clone())
+        self.w_gate = torch.nn.Parameter(gate_up_proj.detach()[:, :i].contiguous())
+        self.w_up = torch.nn.Parameter(gate_up_proj.detach()[:, i:].contiguous())
+        self.w_down = torch.nn.Parameter(down_proj.detach().clone())
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x):
+        k = self.model.top_k
+        w, idx = route(F.linear(x, self.router), self.model, self.bias)
+        _, offs, perm, _, token = layout(idx, self.model.experts)
+        y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
+        y = y * w.reshape(-1)[perm, None].to(y.dtype)
+        return torch.zeros_like(x).index_add(0, perm // k, y)
+
+
+def hf_qwen3_config(model: Model, num_experts: int | None = None):
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=model.hidden, moe_intermediate_size=model.inter,
+                         num_experts=num_experts or model.experts,
+                         num_experts_per_tok=model.top_k,
+                         norm_topk_prob=bool(model.routing.get("norm_topk_prob")))
+    cfg._experts_implementation = "grouped_mm"
+    return cfg
+
+
+def hf_applies(model: Model) -> bool:
+    """Qwen3's block routes as softmax, top-k, renormalise: the softmax shapes."""
+    return (model.routing.get("score_func", "softmax") == "softmax"
+            and model.routing.get("routed_scaling_factor", 1.0) == 1.0)
+
+
+def _on(module_cls, cfg, device, dtype):
+    """``module_cls(cfg)`` built without initialising its weights, on ``device``."""
+    with torch.device("meta"):
+        mod = module_cls(cfg)
+    return mod.to(dtype).to_empty(device=device)
+
+
+def hf_block(model: Model, router_weight, gate_up_proj, down_proj):
+    """transformers' ``Qwen3MoeSparseMoeBlock`` (``grouped_mm`` experts) holding the given
+    weights; called on ``(T, H)`` it returns ``(T, H)``."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    block = _on(Qwen3MoeSparseMoeBlock, hf_qwen3_config(model), router_weight.device,
+                router_weight.dtype)
+    with torch.no_grad():
+        block.gate.weight.copy_(router_weight)
+        block.experts.gate_up_proj.copy_(gate_up_proj)
+        block.experts.down_proj.copy_(down_proj)
+
+    def call(x):
+        out = block(x[None])
+        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+    call.module = block
+    return call
+
+
+def hf_experts(model: Model, gate_up_proj, down_proj):
+    """transformers' ``Qwen3MoeExperts`` with its ``grouped_mm`` implementation over the
+    given (E, 2I, H) / (E, H, I) parameters; called as ``(x, expert_of_row (N, 1), ones)``."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = hf_qwen3_config(model, num_experts=gate_up_proj.shape[0])
+    mod = _on(Qwen3MoeExperts, cfg, gate_up_proj.device, gate_up_proj.dtype)
+    mod.gate_up_proj = gate_up_proj
+    mod.down_proj = down_proj
+    return mod

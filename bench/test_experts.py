@@ -1,0 +1,109 @@
+"""Grouped linear and the expert MLP on one rank's rows, grouped by expert.
+
+Grouped linear (the gate+up projection, H -> 2I): ``functional.grouped_linear`` (one
+``torch._grouped_mm``) against a Python loop of one matmul per expert. Expert MLP
+(gate+up, activation, down): ``functional.experts`` with the fused gate+up (one GEMM over
+the packed weight, the packed activation) and the separate one, against plain PyTorch (three
+``torch._grouped_mm`` and an eager ``silu(g) * u``) and transformers' ``grouped_mm`` experts
+(``Qwen3MoeExperts``). Counts: uniform; for the first shape also skewed (expert 0 empty,
+the others rising linearly). FLOPs: 2 N H 2I (grouped linear), 2 N H 3I (expert MLP)
+forward, three times that forward + backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import harness, plain, shapes
+from bench.harness import CLOCK
+from bench.shapes import KERNEL_MODELS, names
+from moe_fn import functional
+
+LINEAR_ARMS = ("moe_fn", "torch")
+MLP_ARMS = ("moe_fn", "moe_fn-separate", "torch", "transformers")
+CASES = [(m, "uniform") for m in names(KERNEL_MODELS)] + [(KERNEL_MODELS[0].name, "skewed")]
+_inputs = harness.Latest()
+
+
+def counts_for(kind: str, rows: int, experts: int) -> list[int]:
+    if kind == "uniform":
+        return [rows // experts] * experts
+    raw = list(range(experts))  # expert 0 gets none
+    c = [r * rows // sum(raw) // 8 * 8 for r in raw]
+    c[-1] += rows - sum(c)
+    return c
+
+
+def _make(model, kind):
+    n, h, i, e = model.expert_rows, model.hidden, model.inter, model.local_experts
+    counts = counts_for(kind, n, e)
+    dev = harness.device()
+    gate_up = torch.nn.Parameter(harness.randn(e, 2 * i, h, scale=0.02, seed=1))
+    down = torch.nn.Parameter(harness.randn(e, h, i, scale=0.02, seed=2))
+    w_gate = torch.nn.Parameter(gate_up.detach()[:, :i].contiguous())
+    w_up = torch.nn.Parameter(gate_up.detach()[:, i:].contiguous())
+    w_down = torch.nn.Parameter(down.detach().clone())
+    x = harness.randn(n, h, seed=3).requires_grad_()
+    offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    expert_of_row = torch.repeat_interleave(torch.arange(e, device=dev),
+                                            torch.tensor(counts, device=dev))[:, None]
+    ones = torch.ones(n, 1, device=dev, dtype=x.dtype)
+    hf = plain.hf_experts(model, gate_up, down)
+    return dict(counts=counts, gate_up=gate_up, down=down, w_gate=w_gate, w_up=w_up,
+                w_down=w_down, x=x, offs=offs, expert_of_row=expert_of_row, ones=ones, hf=hf,
+                dy=harness.randn(n, h, seed=4), dy_linear=harness.randn(n, 2 * i, seed=5))
+
+
+def _step(fn, leaves, dy, backward):
+    if not backward:
+        return fn
+    def step():
+        # As optimizer.zero_grad(set_to_none=True) leaves them: no accumulation pass.
+        for p in leaves:
+            p.grad = None
+        fn().backward(dy)
+    return step
+
+
+@pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("arm", LINEAR_ARMS)
+@pytest.mark.parametrize("model", names(KERNEL_MODELS))
+@pytest.mark.benchmark(group="grouped linear", timer=CLOCK)
+def test_grouped_linear(measure, model, arm, phase):
+    model = shapes.get(model)
+    d = _inputs.get((model.name, "uniform"), lambda: _make(model, "uniform"))
+    x, w, offs, counts = d["x"], d["gate_up"], d["offs"], d["counts"]
+    if arm == "moe_fn":
+        def fn():
+            return functional.grouped_linear(x, w, offs)
+    else:
+        def fn():
+            return plain.grouped_linear_loop(x, w, counts)
+    flops = 2 * model.expert_rows * model.hidden * 2 * model.inter
+    backward = phase == "fwd+bwd"
+    measure(_step(fn, (x, w), d["dy_linear"], backward), shape=f"{model.name} {phase}",
+            flops=3 * flops if backward else flops, flush_l2=True)
+
+
+@pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("arm", MLP_ARMS)
+@pytest.mark.parametrize("model,counts", CASES, ids=[f"{m}-{c}" for m, c in CASES])
+@pytest.mark.benchmark(group="expert MLP", timer=CLOCK)
+def test_experts(measure, model, counts, arm, phase):
+    model = shapes.get(model)
+    d = _inputs.get((model.name, counts), lambda: _make(model, counts))
+    x, offs = d["x"], d["offs"]
+    fns = {
+        "moe_fn": lambda: functional.experts(x, d["gate_up"], d["down"], offs),
+        "moe_fn-separate": lambda: functional.experts(x, d["gate_up"], d["down"], offs,
+                                                      gate_up_impl="separate"),
+        "torch": lambda: plain.experts(x, d["w_gate"], d["w_up"], d["w_down"], offs),
+        "transformers": lambda: d["hf"](x, d["expert_of_row"], d["ones"]),
+    }
+    leaves = (x, d["gate_up"], d["down"], d["w_gate"], d["w_up"], d["w_down"])
+    flops = 2 * model.expert_rows * model.hidden * 3 * model.inter
+    backward = phase == "fwd+bwd"
+    measure(_step(fns[arm], leaves, d["dy"], backward),
+            shape=f"{model.name} {counts} {phase}", flops=3 * flops if backward else flops,
+            flush_l2=True)

@@ -1,0 +1,118 @@
+"""Expert-parallel cases shared by the gloo tests of the exchanges: each rank's layer against
+the dense float64 reference over every rank's tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_fn import MoEConfig, MoELayer
+from moe_fn.testing import layer_params, reference_moe
+
+
+def small_config(**kw):
+    base = dict(hidden_size=8, intermediate_size=6, num_experts=4, top_k=2)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def randomize(layer):
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+        layer.experts.gate_up_proj.normal_(0, 0.5)
+        layer.experts.down_proj.normal_(0, 0.5)
+        for p in (layer.router.bias, layer.experts.gate_up_proj_bias,
+                  layer.experts.down_proj_bias):
+            if p is not None:
+                p.normal_(0, 0.5)
+
+
+def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64):
+    """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against the float64
+    reference MoE (``moe_fn.testing.reference_moe``) holding every expert and every rank's
+    tokens (float32: within its rounding). ``ref``, a float64 layer, only holds the full
+    parameter set (and, after the backward, the reference's gradients)."""
+    torch.manual_seed(seed)
+    cfg_full = small_config(**kw)
+    ref = MoELayer(cfg_full, dtype=torch.float64)
+    randomize(ref)
+    with torch.no_grad():
+        if cfg_full.score_correction_bias:
+            # Steer every token away from the last rank's experts and from expert 0.
+            bias = torch.zeros(cfg_full.num_experts, dtype=torch.float32)
+            e_local = cfg_full.num_experts // world
+            bias[-e_local:] = -100.0
+            bias[0] = -100.0
+            ref.router.e_score_correction_bias.copy_(bias)
+    xs = [torch.randn(n, cfg_full.hidden_size, dtype=torch.float64) for n in tokens_per_rank]
+    gs = [torch.randn_like(x) for x in xs]
+    x_all = torch.cat(xs).requires_grad_()
+    out_all = reference_moe(x_all, layer_params(ref), cfg_full).out
+    (out_all * torch.cat(gs)).sum().backward()
+
+    cfg = small_config(**{**kw, "comm_backend": "all_to_all", "ep_size": world,
+                          **(exchange_kw or {})})
+    layer = MoELayer(cfg, dtype=dtype)
+    e_local = cfg.num_local_experts
+    sl = slice(rank * e_local, (rank + 1) * e_local)
+    with torch.no_grad():
+        layer.router.weight.copy_(ref.router.weight)
+        layer.experts.gate_up_proj.copy_(ref.experts.gate_up_proj[sl])
+        layer.experts.down_proj.copy_(ref.experts.down_proj[sl])
+        if cfg.router_bias:
+            layer.router.bias.copy_(ref.router.bias)
+        if cfg.expert_bias:
+            layer.experts.gate_up_proj_bias.copy_(ref.experts.gate_up_proj_bias[sl])
+            layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
+        if cfg.score_correction_bias:
+            layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
+    x = xs[rank].to(dtype).requires_grad_()
+    out = layer(x)
+    (out * gs[rank].to(dtype)).sum().backward()
+
+    def assert_close(got, want):
+        tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        if dtype == torch.float64 and cfg.comm_backend == "deepep":
+            # DeepEP's API carries routing weights (and their gradients) as float32.
+            tol = dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want.to(dtype), **tol)
+    start = sum(tokens_per_rank[:rank])
+    rows = slice(start, start + tokens_per_rank[rank])
+    assert_close(out, out_all[rows].detach())
+    assert_close(x.grad, x_all.grad[rows])
+    router_grad = layer.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    assert_close(router_grad, ref.router.weight.grad)
+    if cfg.router_bias:
+        bias_grad = layer.router.bias.grad.clone()
+        dist.all_reduce(bias_grad)
+        assert_close(bias_grad, ref.router.bias.grad)
+    assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
+    assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
+    if cfg.expert_bias:
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl])
+    c = layer.exchange.counters
+    assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
+    if cfg.score_correction_bias:
+        # The bias steers every token off expert 0 and off the last rank: they see no rows.
+        assert float(ref.experts.down_proj.grad[0].abs().sum()) == 0.0
+        if rank == world - 1:
+            assert float(layer.experts.down_proj.grad.abs().sum()) == 0.0
+    # Without grad mode (a reentrant checkpoint's first forward) the combine keeps nothing
+    # and may read rows where they are: the same sums in the same order, the same output.
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), out.detach(), rtol=0, atol=0)
+
+
+EP_CASES = [
+    dict(num_experts=8, top_k=2),
+    # Fused weighting: folded into the per-token sum of the token-once exchange.
+    dict(num_experts=8, top_k=3, row_weighting_impl="fused"),
+    dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
+    dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
+    # Steered routing: expert 0 and the whole last rank receive no rows.
+    dict(num_experts=8, top_k=2, score_correction_bias=True, score_func="sigmoid"),
+    dict(num_experts=8, top_k=2, router_bias=True, expert_bias=True, score_func="softmax_topk",
+         norm_topk_prob=False, activation="swiglu_oai", gate_up_layout="interleaved"),
+]

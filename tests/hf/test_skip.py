@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from moe_fn import SkipContractError
 from moe_fn.hf import convert, converted_blocks
 from tests.hf.models import SUPPORTED, batch, make_model, preset_params, run
 
@@ -51,3 +52,16 @@ def test_every_preset_skips_with_the_gradients_of_its_unskipped_recompute(name):
         assert (c["combine"], c["combine_skipped"], c["combine_backward"]) == (1, 1, 1), \
             (name, dict(c))
         assert (c["layout"], c["cached_dispatch"]) == (1, 1)
+
+
+def test_a_block_whose_output_feeds_more_than_the_residual_add_is_refused():
+    """A forward hook that passes a converted block's output through a nonlinearity (as a
+    model change around the preset's block would) is refused in HF's recompute."""
+    conv = convert(make_model("qwen3_moe").double(), skip_recompute_combine=True)
+    conv.train()
+    conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    _, block = converted_blocks(conv)[0]
+    block.register_forward_hook(lambda module, args, out: torch.tanh(out))
+    ids, labels = batch()
+    with pytest.raises(SkipContractError, match="TanhBackward0"):
+        run(conv, ids, labels)

@@ -130,33 +130,41 @@ def _name(node) -> str:
 
 
 @functools.cache
-def _saved_names(cls: type) -> tuple[str, ...]:
+def _saved_attrs(cls: type) -> tuple[tuple[str, str, str], ...]:
+    """``(name, raw attribute, attribute)`` of each tensor (or tensor list) a node of
+    ``cls`` saves."""
+    if _kind_of(cls) != _GENERATED_NODE:
+        return (("saved_tensors", "_raw_saved_tensors", "saved_tensors"),)
     prefix = "_raw_saved_"
-    return tuple(n[len(prefix):] for n in dir(cls) if n.startswith(prefix))
+    return tuple((n[len(prefix):], n, "_saved_" + n[len(prefix):])
+                 for n in dir(cls) if n.startswith(prefix))
 
 
-def _saved_tensors(node, kind) -> dict:
+def _saved_tensors(node) -> dict:
     """``{name: tuple of tensors, or _HOOKED}`` of what ``node`` saved. A value autograd
     cannot give back (freed, or written in place after it was saved) is left out: the
     backward that needs it raises autograd's own error."""
     out = {}
-    if kind == _GENERATED_NODE:
-        items = [(n, "_raw_saved_" + n, "_saved_" + n) for n in _saved_names(type(node))]
-    else:
-        items = [("saved_tensors", "_raw_saved_tensors", "saved_tensors")]
-    for name, raw_attr, attr in items:
+    for name, raw_attr, attr in _saved_attrs(type(node)):
         try:
             raw = getattr(node, raw_attr)
-            raws = raw if isinstance(raw, (tuple, list)) else (raw,)
-            if any(r is not None and r.unpack_hook is not None for r in raws):
+            hooked = False
+            for r in (raw if isinstance(raw, (tuple, list)) else (raw,)):
+                # (A torch without ``unpack_hook`` unpacks: a nested non-reentrant
+                # checkpoint's tensor then fails its second unpack, loudly.)
+                if r is not None and getattr(r, "unpack_hook", None) is not None:
+                    hooked = True
+            if hooked:
                 out[name] = _HOOKED
                 continue
             value = getattr(node, attr)
         except RuntimeError:
             continue
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        out[name] = tuple(v for v in values if isinstance(v, torch.Tensor))
-    if kind == _COMPILED:
+        if isinstance(value, torch.Tensor):
+            out[name] = (value,)
+        elif isinstance(value, (tuple, list)):
+            out[name] = tuple(v for v in value if isinstance(v, torch.Tensor))
+    if _kind(node) == _COMPILED:
         out["tensors_no_vc_check"] = tuple(getattr(node, "_tensors_no_vc_check", ()))
     return out
 
@@ -205,6 +213,7 @@ class SkipWatch:
         self.trusted: set = set()
         self.inputs = {id(t): (t, t._version) for t in _tensors(inputs)}
         self._traced: set = set()  # nodes whose outputs are proven traced
+        self._saved: dict = {}  # node -> _saved_tensors(node), read once
         self.add_skip(sentinel)
 
     def add_skip(self, sentinel: torch.Tensor) -> None:
@@ -233,6 +242,12 @@ class SkipWatch:
             stack.extend(c for c, _ in node.next_functions)
 
     # --- is a value traced? -----------------------------------------------------------
+
+    def _saved_of(self, node) -> dict:
+        saved = self._saved.get(node)
+        if saved is None:
+            saved = self._saved[node] = _saved_tensors(node)
+        return saved
 
     def _is_input(self, t) -> bool:
         seen = self.inputs.get(id(t))
@@ -298,7 +313,7 @@ class SkipWatch:
             problem = None if child is None else add(*self._node(child, seq))
             if problem is not None:
                 return problem, ()
-        saved = _saved_tensors(node, kind) if kind == _GENERATED_NODE else {}
+        saved = self._saved_of(node) if kind == _GENERATED_NODE else {}
         skip = _RANDOM_OUTPUTS.get(_name(node), ()) + _PICKED_OUTPUTS.get(_name(node), ())
         for name, tensors in saved.items():
             if name in skip:
@@ -365,7 +380,7 @@ class SkipWatch:
                 f"{OPTION}: in this checkpoint's recompute, {name} runs after an MoE layer's "
                 "skipped output, and it is a custom autograd Function (or an op) whose "
                 f"backward's saved state the check cannot inspect. {RULE} {FIX}")
-        saved = _saved_tensors(node, kind)
+        saved = self._saved_of(node)
         if kind == _COMPILED:
             # Compiled code computes what it saved from its inputs alone.
             if any(saved.values()):

@@ -98,7 +98,13 @@ CONSERVATIVE = {
     # A mask made inside the checkpoint, even from the input alone.
     "mask_made_inside": (lambda m, h, y, mask: h + y * (h > 0), "MulBackward0"),
     "custom_function": (lambda m, h, y, mask: h + _Scale.apply(y), "_ScaleBackward"),
+    # A weight that requires grad but is no parameter (nor an input) read after the layer.
+    "loose_leaf": (lambda m, h, y, mask: h + y + torch.tanh(h @ _LOOSE), "TanhBackward0"),
+    # A non-reentrant checkpoint nested after the layer packs what its ops save in hooks.
+    "nested_non_reentrant": (lambda m, h, y, mask: h + y + torch.utils.checkpoint.checkpoint(
+        lambda t: torch.tanh(t @ m.w), h, use_reentrant=False), "saved-tensor hook"),
 }
+_LOOSE = torch.randn(H, H, dtype=DT, requires_grad=True)
 
 
 def _refused(fn, op, **options):
@@ -180,6 +186,7 @@ LEGAL = {
     "frozen_weight_after": lambda m, h, y, mask: h + y + torch.tanh(h @ m.frozen),
     "output_is_the_moe_output": lambda m, h, y, mask: y,
     "native_dropout": lambda m, h, y, mask: h + torch.native_dropout(y, 0.3, True)[0],
+    "copied_into_a_buffer": lambda m, h, y, mask: h + h.new_zeros(h.shape).copy_(y),
 }
 
 

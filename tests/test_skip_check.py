@@ -313,3 +313,38 @@ def test_a_compiled_block_inside_the_checkpoint_skips_and_trains():
         assert model.moe.exchange.counters["combine_skipped"] == 1
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_dropout_trains_and_a_misuse_is_refused():
+    """On CUDA the recompute runs on autograd's device thread and F.dropout is
+    native_dropout: a dropout on the MoE branch trains as the unchecked model (float64, the
+    checkpoint replaying the RNG), a tanh after the residual add is refused."""
+    device = torch.device("cuda")
+    x, _ = _inputs()
+    x = x.detach().to(device)
+    grads, counters = [], None
+    for ckpt in (False, True):
+        model = Model(skip_recompute_combine=True).to(device)
+        a = x.clone().requires_grad_()
+
+        def block(h, model=model):
+            return h + F.dropout(model.y(h), 0.3, training=True)
+
+        torch.manual_seed(7)
+        out = moe_fn.checkpoint(block, a) if ckpt else block(a)
+        (out * torch.linspace(-1, 1, H, dtype=DT, device=device)).sum().backward()
+        grads.append(_grads(model, a))
+        counters = model.moe.exchange.counters
+    for g, w in zip(*grads):
+        if w is None:
+            assert g is None
+            continue
+        torch.testing.assert_close(g, w)
+    assert counters["combine_skipped"] == 1
+    model = Model(skip_recompute_combine=True).to(device)
+    a = x.clone().requires_grad_()
+    out = moe_fn.checkpoint(lambda h: torch.tanh(h + model.y(h)), a)
+    with pytest.raises(SkipContractError, match="TanhBackward0"):
+        out.sum().backward()

@@ -279,6 +279,30 @@ def test_a_layer_reading_an_earlier_skipped_output_is_refused(how, second_skips)
         out.sum().backward()
 
 
+@pytest.mark.parametrize("misuse", [False, True])
+def test_a_frozen_layer_on_an_input_without_grad_skips_a_sentinel_without_history(misuse):
+    """A frozen layer whose input requires no grad returns a sentinel without autograd
+    history: its uses are still judged (a product with it reads the NaN rows)."""
+    model = Model(skip_recompute_combine=True)
+    for p in model.moe.parameters():
+        p.requires_grad_(False)
+    x, c = _inputs()
+    c = c.expand(T, H).contiguous()  # the layer's input: requires no grad
+
+    def block(h, k):
+        y = model.moe(k)
+        return h * y if misuse else h + y
+
+    out = moe_fn.checkpoint(block, x, c)
+    if misuse:
+        with pytest.raises(SkipContractError, match="MulBackward0"):
+            out.sum().backward()
+        return
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+    assert model.moe.exchange.counters["combine_skipped"] == 1
+
+
 def test_a_value_read_to_the_host_meets_the_nan_sentinel():
     """A Python number read off the MoE output is outside autograd's graph, so outside the
     check; the sentinel's NaN reaches the gradients instead (the last line of defence)."""

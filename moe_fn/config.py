@@ -68,10 +68,11 @@ class MoEConfig:
     ``release_registered_buffers()`` there, before ``destroy_process_group``, frees it);
     with CPU tensors over gloo it is the collective).
     Checkpointing:
-    ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
-    (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
-    activations from the forward and is not recomputed, trading the memory of an unchecked
-    MoE layer for its second forward).
+    ``skip_recompute_combine`` (its contract, checked in each recompute:
+    docs/checkpointing.md) and ``recompute_in_checkpoint`` (False: inside a
+    ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its activations from the
+    forward and is not recomputed, trading the memory of an unchecked MoE layer for its
+    second forward).
     """
 
     hidden_size: int

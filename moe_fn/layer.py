@@ -22,6 +22,7 @@ from .config import MoEConfig
 from .pure.activations import resolve_layout
 from .records import RoutePlan
 from .replay import KeptActivations, current_region
+from .skip_check import SkipContractError
 
 
 def takes_comm_sms(config: MoEConfig) -> bool:
@@ -436,13 +437,18 @@ class MoELayer(nn.Module):
             warnings.warn("skip_recompute_combine=True does not apply under a non-reentrant "
                           "checkpoint (replay still runs): checkpoint reentrantly, as "
                           "moe_fn.checkpoint(fn, *args) does by default", stacklevel=2)
-        if skip and region.skipped and _reads_skipped_combine(x2):
-            raise ValueError(
-                "skip_recompute_combine=True: in this checkpoint's recompute, an MoE layer's "
-                "input depends on an earlier MoE layer's output in the same checkpoint, whose "
-                "recomputed value is a NaN sentinel (the skip serves only the residual add "
-                "that ends the checkpointed block). Checkpoint one MoE layer per region, or "
-                "set skip_recompute_combine=False (replay alone handles several per region)")
+        # After a skipped combine in this recompute (several layers in one region), this
+        # layer's input must not come from it: the skip serves only the residual add.
+        watch = region.watch if entry is not None else None
+        if watch is not None:
+            problem = watch.input_problem(x2)
+            if problem is not None:
+                raise SkipContractError(
+                    "skip_recompute_combine=True: in this checkpoint's recompute, an MoE "
+                    f"layer's input after an earlier MoE layer's skipped output is {problem} "
+                    "(the skip serves only the residual add that ends the checkpointed "
+                    "block). Checkpoint one MoE layer per region, or set "
+                    "skip_recompute_combine=False (replay alone handles several per region)")
         home_w, fold_w = self._weight_placement(skip)
         sent_w = None if home_w else w
         if entry is None:
@@ -460,13 +466,15 @@ class MoELayer(nn.Module):
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.row_weighting_impl == "fused")
-            region.skipped += 1
+            region.note_skip(out)
         else:
             # Without a backward to come (no grad mode: a reentrant checkpoint's first
             # forward, inference) the home-weighted combine keeps nothing.
             needs_grad = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
             out = Combine.apply(y, self.exchange, handle, w if home_w else None,
                                 row_w if fold_w else None, needs_grad)
+        if watch is not None:
+            watch.trust_layer((out, logits), x2)
         return out, logits
 
     def _forward_kept(self, x2, region):
@@ -477,7 +485,11 @@ class MoELayer(nn.Module):
             if kept.x_leaf is not None:
                 anchor = torch.empty(0, device=x2.device, requires_grad=kept.out.requires_grad
                                      or kept.logits.requires_grad)
-                return ReplayKept.apply(x2, anchor, kept)
+                out, logits = ReplayKept.apply(x2, anchor, kept)
+                if region.watch is not None:
+                    # The forward's outputs, whatever the recompute's input holds.
+                    region.watch.trust_layer((out, logits), x2)
+                return out, logits
             # Non-reentrant: the forward's own graph serves the backward; the recompute
             # needs only the values (as leaves that require grad where the originals did,
             # so the ops after the layer save what they saved the first time).
@@ -584,25 +596,6 @@ def _autocast_dtype(x: torch.Tensor):
         return None
     amp = torch.get_autocast_dtype(kind)
     return amp if amp != torch.float32 and x.dtype in (torch.float32, amp) else None
-
-
-def _reads_skipped_combine(x: torch.Tensor) -> bool:
-    """Whether ``x`` was computed from a skipped combine's sentinel: a walk of its autograd
-    graph, bounded by the recompute's detached inputs (run only after a skip in the same
-    recompute, i.e. in regions holding several MoE layers)."""
-    seen, stack = set(), [x.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == _SKIPPED_NODE:
-            return True
-        stack.extend(fn for fn, _ in node.next_functions)
-    return False
-
-
-_SKIPPED_NODE = SkippedCombine.__name__ + "Backward"
 
 
 _MATERIALIZE = ("materialize the layer first (layer.to_empty(device=...), then "

@@ -11,6 +11,10 @@ Entries live in their region, which lives exactly as long as the autograd graph 
 checkpoint call: an entry from an earlier step (a region whose backward never ran) cannot
 be reached by a later one. Each entry is consumed once; the layer that takes it must be
 the layer that made it.
+
+A reentrant recompute in which a layer skipped its combine (``skip_recompute_combine``)
+is checked before the checkpoint backpropagates through it: ``moe_fn.skip_check`` proves
+that no backward reads a value computed from a skipped output, or refuses naming the op.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import threading
 import attrs
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+
+from .skip_check import OPTION, SkipContractError, SkipWatch
 
 _serials = itertools.count(1)
 _state = threading.local()
@@ -73,7 +79,8 @@ class ReplayRegion:
         self.entries: list[ReplayEntry] = []
         self.runs = 0
         self.cursor = 0
-        self.skipped = 0  # combines skipped in the current run
+        self.watch: SkipWatch | None = None  # from the current run's first skipped combine
+        self._args = ()  # the current run's arguments
 
     @property
     def replaying(self) -> bool:
@@ -105,24 +112,52 @@ class ReplayRegion:
         self.cursor += 1
         return entry
 
-    @contextlib.contextmanager
-    def run(self):
-        self.runs += 1
-        self.cursor = 0
-        self.skipped = 0
-        stack = _stack()
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
-        # A recompute that returns normally has called every recorded layer (a non-
-        # reentrant checkpoint that stops early leaves by an exception, not through here).
+    def note_skip(self, out: torch.Tensor) -> None:
+        """A layer skipped its combine in this run and returned ``out``, the sentinel."""
+        if self.watch is None:
+            self.watch = SkipWatch(out, self._args)
+        else:
+            self.watch.add_skip(out)
+
+    def finish(self, outputs) -> None:
+        """A run returned ``outputs``. A recompute that returns has called every recorded
+        layer (a non-reentrant checkpoint that stops early leaves by an exception, not
+        through here); one that skipped a combine is checked before its outputs are
+        backpropagated: a use of a skipped output whose backward would read its value is
+        refused (SkipContractError)."""
         if self.replaying and self.cursor < len(self.entries):
             raise RuntimeError(
                 f"moe_fn replay: the recompute called {self.cursor} MoE layer(s) where the "
                 f"forward called {len(self.entries)}; a checkpointed function must call the "
                 "same MoE layers in the same order each time")
+        if self.watch is not None:
+            self.watch.check(outputs)
+
+    @contextlib.contextmanager
+    def run(self, args=()):
+        self.runs += 1
+        self.cursor = 0
+        self.watch = None
+        self._args = args
+        stack = _stack()
+        stack.append(self)
+        try:
+            yield self
+        except RuntimeError as e:
+            if (self.watch is not None and not isinstance(e, SkipContractError)
+                    and "view was created inside a custom Function" in str(e)):
+                raise SkipContractError(
+                    f"{OPTION}: in this checkpoint's recompute, a view was modified inplace "
+                    "where autograd forbids it (its error is the cause below). An MoE "
+                    "layer's recomputed output is a read-only NaN sentinel, a view of a "
+                    "shared buffer, so `y += h` or `y.mul_(...)` on it cannot run: write the "
+                    "residual add out of place (`h + y`), or set "
+                    "skip_recompute_combine=False") from e
+            raise
+        finally:
+            stack.pop()
+            self.watch = None  # drops the recomputed graph's nodes
+            self._args = ()
 
 
 def _stack() -> list:
@@ -141,8 +176,10 @@ def _in_new_region(fn, *, reentrant: bool):
     region = ReplayRegion(reentrant=reentrant)
 
     def run(*a, **kw):
-        with region.run():
-            return fn(*a, **kw)
+        with region.run((a, kw)):
+            out = fn(*a, **kw)
+            region.finish(out)
+        return out
     return run
 
 
@@ -179,7 +216,8 @@ def checkpoint(fn, *args, use_reentrant: bool = True, **kwargs):
     """Activation checkpointing with MoE routing replay: ``torch.utils.checkpoint.checkpoint``
     with the same arguments (reentrant by default), plus replay of every MoELayer's route and
     dispatch layout in the recompute, and — with ``skip_recompute_combine`` and a reentrant
-    checkpoint — no forward combine in the recompute (see the README's contract)."""
+    checkpoint — no forward combine in the recompute, its contract checked there
+    (docs/checkpointing.md; a use it cannot serve raises SkipContractError)."""
     _check_reentrant(use_reentrant)
     if not callable(fn):
         raise TypeError(f"checkpoint's first argument must be the function to run, got "

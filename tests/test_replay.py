@@ -12,6 +12,7 @@ from torch import nn
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.skip_check import SkipContractError
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 
@@ -240,19 +241,24 @@ def test_stale_entry_from_an_earlier_step_is_never_replayed():
         torch.testing.assert_close(a, b)
 
 
-def test_skip_with_output_used_beyond_the_residual_add_gives_non_finite_gradients():
-    """The documented failure mode: NaN sentinel reaches the gradients, loudly."""
+def test_skip_with_output_used_beyond_the_residual_add_is_refused():
+    """A nonlinear consumer of the skipped output (whose NaN sentinel gave non-finite
+    gradients without an error) is refused in the recompute, naming the op and the fixes
+    (tests/test_skip_check.py has the whole list)."""
     cfg = _cfg(1, skip_recompute_combine=True)
     model = make_model(cfg)
     b = model[0]
 
     def misuse(h):
-        return h + torch.tanh(b.moe(h @ b.proj)) * 2  # a non-linear consumer of the output
+        return h + torch.tanh(b.moe(h @ b.proj)) * 2
 
     x = torch.randn(6, H, requires_grad=True)
-    moe_fn.checkpoint(misuse, x).sum().backward()
-    assert not torch.isfinite(x.grad).all()
-    assert not torch.isfinite(b.proj.grad).all()
+    out = moe_fn.checkpoint(misuse, x)
+    with pytest.raises(SkipContractError, match=r"(?s)skip_recompute_combine=True.*"
+                       r"TanhBackward0.*skip_recompute_combine=False.*"
+                       r"recompute_in_checkpoint=False"):
+        out.sum().backward()
+    assert x.grad is None and b.proj.grad is None
 
 
 def test_skip_under_a_non_reentrant_checkpoint_warns_once_per_layer():
@@ -291,7 +297,7 @@ def test_skip_refuses_chained_moe_layers_in_one_region():
     no error. Now refused in the recompute, naming the fix."""
     _, region, x = _two_layers_one_region(True, chained=True)
     out = moe_fn.checkpoint(region, x)
-    with pytest.raises(ValueError, match="Checkpoint one MoE layer per region"):
+    with pytest.raises(SkipContractError, match="Checkpoint one MoE layer per region"):
         out.sum().backward()
 
 
@@ -318,7 +324,7 @@ def test_several_moe_layers_in_one_region_when_valid(skip, chained):
 
 def test_skip_with_output_written_in_place_raises():
     """The sentinel is a view the skipped combine returns: autograd refuses an in-place
-    write into it at once."""
+    write into it at once, and the refusal names the skip."""
     cfg = _cfg(1, skip_recompute_combine=True)
     b = make_model(cfg)[0]
 
@@ -329,7 +335,7 @@ def test_skip_with_output_written_in_place_raises():
 
     x = torch.randn(6, H, requires_grad=True)
     out = moe_fn.checkpoint(misuse, x)
-    with pytest.raises(RuntimeError, match="modified inplace"):
+    with pytest.raises(SkipContractError, match="skip_recompute_combine=True.*modified inplace"):
         out.sum().backward()
 
 
@@ -373,7 +379,7 @@ def test_skip_sentinel_written_in_place_under_no_grad_raises_and_is_refilled():
         return h + y
 
     x = torch.randn(6, H, requires_grad=True)
-    with pytest.raises(RuntimeError, match="modified inplace"):
+    with pytest.raises(SkipContractError, match="skip_recompute_combine=True.*modified inplace"):
         moe_fn.checkpoint(misuse, x).sum().backward()
     seen = []
     hook = b.moe.register_forward_hook(

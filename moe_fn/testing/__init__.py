@@ -4,6 +4,7 @@ plain/float64 results it compares against (``tolerance``)."""
 from .tolerance import (
     assert_all_close_to_ref,
     assert_close_to_ref,
+    assert_jointly_close_to_ref,
     error_bound,
     max_error,
     rounding_step,
@@ -13,6 +14,7 @@ from .tolerance import (
 __all__ = [
     "assert_all_close_to_ref",
     "assert_close_to_ref",
+    "assert_jointly_close_to_ref",
     "error_bound",
     "max_error",
     "rounding_step",

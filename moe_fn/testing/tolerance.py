@@ -74,6 +74,47 @@ def assert_all_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
         assert_close_to_ref(g, p, r, n)
 
 
+def assert_jointly_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
+                                names: Sequence[str] | None = None) -> None:
+    """The rule for a composite result taken as one tensor: each entry scaled by its own
+    float64 magnitude (``max |ref64|``), the largest scaled error of ``got`` at most twice
+    plain's plus one rounding step of the entries' dtype.
+
+    For a whole model's outputs and gradients, where a small entry alone (a bias, a loss)
+    holds too few elements for two maxima of rounding errors to be compared on every
+    machine; an entry that is wrong is still off by far more than the rounding of the rest.
+    ``None`` entries must be ``None`` in all three."""
+    got, plain, ref64 = list(got), list(plain), list(ref64)
+    names = [str(i) for i in range(len(got))] if names is None else list(names)
+    if not len(got) == len(plain) == len(ref64) == len(names):
+        raise AssertionError(f"lengths differ: got {len(got)}, plain {len(plain)}, ref64 "
+                             f"{len(ref64)}, names {len(names)}")
+    worst, plain_worst, step = (0.0, ""), 0.0, 0.0
+    for g, p, r, n in zip(got, plain, ref64, names):
+        if g is None or p is None or r is None:
+            if not (g is None and p is None and r is None):
+                raise AssertionError(f"{n}: None in some but not all of got {g is None}, "
+                                     f"plain {p is None}, ref64 {r is None}")
+            continue
+        if not (g.shape == p.shape == r.shape):
+            raise AssertionError(f"{n}: shapes differ: got {tuple(g.shape)}, plain "
+                                 f"{tuple(p.shape)}, ref64 {tuple(r.shape)}")
+        if g.dtype != p.dtype:
+            raise AssertionError(f"{n}: dtypes differ: got {g.dtype}, plain {p.dtype}")
+        scale = (r.abs().max().item() if r.numel() else 0.0) or 1.0  # all zero: absolute
+        err = max_error(g, r) / scale
+        if not err <= worst[0]:  # NaN counts as the worst
+            worst = (err, n)
+        plain_worst = max(plain_worst, max_error(p, r) / scale)
+        step = max(step, torch.finfo(g.dtype).eps)
+    bound = 2 * plain_worst + step
+    if not worst[0] <= bound:
+        raise AssertionError(
+            f"{worst[1]}: error against float64 {worst[0]:.3g} of its magnitude > bound "
+            f"{bound:.3g} (twice plain's largest {plain_worst:.3g} + one rounding step "
+            f"{step:.3g})")
+
+
 def value_and_grads(f: Callable, inputs: Sequence, *, dtype: torch.dtype | None = None,
                     loss: Callable | None = None) -> list:
     """``[f(*inputs), d loss / d input for each input]`` by autograd, with every floating

@@ -6,6 +6,7 @@ import torch
 from moe_fn.testing import (
     assert_all_close_to_ref,
     assert_close_to_ref,
+    assert_jointly_close_to_ref,
     error_bound,
     value_and_grads,
 )
@@ -50,3 +51,22 @@ def test_value_and_grads_casts_floats_and_passes_the_rest():
     assert not x.requires_grad  # the inputs themselves are left alone
     _, g = value_and_grads(lambda x: x.sum(), [x], loss=lambda y: 5 * y)
     assert torch.equal(g, torch.full((2,), 5.0))
+
+
+def test_joint_rule_scales_each_entry_and_names_the_worst():
+    big, small = torch.full((3,), 1000.0, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    ref = [big, small, None]
+    plain = [big.float() + 1e-3, small.float(), None]  # plain's worst: 1e-6 of its scale
+    # Each entry against its own magnitude: 1.5e-6 of 1 passes beside plain's 1e-6 of 1000.
+    assert_jointly_close_to_ref([big.float(), small.float() + 1.5e-6, None], plain, ref)
+    with pytest.raises(AssertionError, match="small: error against float64"):
+        assert_jointly_close_to_ref([big.float(), small.float() + 3e-6, None], plain, ref,
+                                    ("big", "small", "none"))
+    with pytest.raises(AssertionError, match="small: error against float64"):
+        assert_jointly_close_to_ref([big.float(), small.float() * float("nan"), None], plain,
+                                    ref, ("big", "small", "none"))
+    zero = [torch.zeros(2, dtype=torch.float64)]  # an all-zero oracle: absolute errors
+    with pytest.raises(AssertionError, match="error against float64"):
+        assert_jointly_close_to_ref([torch.full((2,), 1e-3)], [torch.zeros(2)], zero)
+    with pytest.raises(AssertionError, match="None in some but not all"):
+        assert_jointly_close_to_ref([big.float(), small.float(), small.float()], plain, ref)

@@ -51,6 +51,9 @@ def test_value_and_grads_casts_floats_and_passes_the_rest():
     assert not x.requires_grad  # the inputs themselves are left alone
     _, g = value_and_grads(lambda x: x.sum(), [x], loss=lambda y: 5 * y)
     assert torch.equal(g, torch.full((2,), 5.0))
+    # The default loss keeps float64 in float64 (a float32 one would round 1 + 2**-40).
+    _, g = value_and_grads(lambda x: x, [torch.tensor([1 + 2**-40], dtype=torch.float64)])
+    assert g.item() == 2 * (1 + 2**-40)
 
 
 def test_joint_rule_scales_each_entry_and_names_the_worst():

@@ -121,16 +121,19 @@ def value_and_grads(f: Callable, inputs: Sequence, *, dtype: torch.dtype | None 
     tensor input cast to ``dtype`` first (as it is when ``None``): run naive code once in the
     precision under test and once in float64 to get ``plain`` and ``ref64`` for the rule.
 
-    ``loss`` maps the output to a scalar (default ``y.float().square().sum()``); inputs that
-    are not floating tensors (offsets, ``None``, Python values) pass through and get ``None``
-    as their gradient."""
+    ``loss`` maps the output to a scalar (default: the sum of squares, in float32 at least,
+    so float64 stays float64); inputs that are not floating tensors (offsets, ``None``,
+    Python values) pass through and get ``None`` as their gradient."""
     def prep(t):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return t.detach().to(dtype or t.dtype).requires_grad_()
         return t
     leaves = [prep(t) for t in inputs]
     y = f(*leaves)
-    scalar = y.float().square().sum() if loss is None else loss(y)
+    if loss is None:
+        scalar = y.to(torch.promote_types(y.dtype, torch.float32)).square().sum()
+    else:
+        scalar = loss(y)
     wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     found = iter(torch.autograd.grad(scalar, wanted) if wanted else ())
     grads = [next(found) if isinstance(t, torch.Tensor) and t.requires_grad else None

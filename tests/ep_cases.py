@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.testing import layer_params, reference_moe
+from moe_fn.testing import assert_jointly_close_to_ref, layer_params, reference_moe
 
 
 def small_config(**kw):
@@ -27,11 +27,14 @@ def randomize(layer):
                 p.normal_(0, 0.5)
 
 
-def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64):
+def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64,
+            before_ep=None):
     """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against the float64
     reference MoE (``moe_fn.testing.reference_moe``) holding every expert and every rank's
-    tokens (float32: within its rounding). ``ref``, a float64 layer, only holds the full
-    parameter set (and, after the backward, the reference's gradients)."""
+    tokens; float32 by the tolerance rule, with the single-process float32 layer as plain.
+    ``ref``, a float64 layer, only holds the full parameter set (and, after the backward,
+    the reference's gradients). ``before_ep`` runs just before the expert-parallel layer's
+    first call."""
     torch.manual_seed(seed)
     cfg_full = small_config(**kw)
     ref = MoELayer(cfg_full, dtype=torch.float64)
@@ -66,32 +69,60 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
             layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
         if cfg.score_correction_bias:
             layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
+    start = sum(tokens_per_rank[:rank])
+    rows = slice(start, start + tokens_per_rank[rank])
+    plain = {}
+    if dtype != torch.float64:
+        # Plain: the single-process layer in dtype on the same inputs; the expert-parallel
+        # one's error against float64 may be at most twice its (other summation orders),
+        # output and gradients taken as one (some are small: a bias, an 8-expert router).
+        single = MoELayer(cfg_full, dtype=dtype)
+        single.load_state_dict(ref.state_dict())
+        x_single = torch.cat(xs).to(dtype).requires_grad_()
+        y = single(x_single)
+        (y * torch.cat(gs).to(dtype)).sum().backward()
+        plain = {"out": y.detach()[rows], "x": x_single.grad[rows]}
+        plain.update((n, p.grad) for n, p in single.named_parameters())
+
+    if before_ep is not None:
+        before_ep()
     x = xs[rank].to(dtype).requires_grad_()
     out = layer(x)
     (out * gs[rank].to(dtype)).sum().backward()
 
-    def assert_close(got, want):
-        tol = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-        if dtype == torch.float64 and cfg.comm_backend == "deepep":
-            # DeepEP's API carries routing weights (and their gradients) as float32.
+    joint = ([], [], [], [])  # float32: the layer's results checked as one (got, plain, ref)
+
+    def assert_close(got, want, name):
+        if plain:
+            for part, v in zip(joint, (got, plain[name], want.to(torch.float64), name)):
+                part.append(v)
+            return
+        tol = {}
+        if cfg.comm_backend == "deepep":
+            # DeepEP's API carries routing weights (and their gradients) as float32: a
+            # rounding of float64 data, the same on every machine.
             tol = dict(rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got, want.to(dtype), **tol)
-    start = sum(tokens_per_rank[:rank])
-    rows = slice(start, start + tokens_per_rank[rank])
-    assert_close(out, out_all[rows].detach())
-    assert_close(x.grad, x_all.grad[rows])
+    assert_close(out, out_all[rows].detach(), "out")
+    assert_close(x.grad, x_all.grad[rows], "x")
     router_grad = layer.router.weight.grad.clone()
     dist.all_reduce(router_grad)
-    assert_close(router_grad, ref.router.weight.grad)
+    assert_close(router_grad, ref.router.weight.grad, "router.weight")
     if cfg.router_bias:
         bias_grad = layer.router.bias.grad.clone()
         dist.all_reduce(bias_grad)
-        assert_close(bias_grad, ref.router.bias.grad)
-    assert_close(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[sl])
-    assert_close(layer.experts.down_proj.grad, ref.experts.down_proj.grad[sl])
+        assert_close(bias_grad, ref.router.bias.grad, "router.bias")
+    experts = ["gate_up_proj", "down_proj"]
     if cfg.expert_bias:
-        for name in ("gate_up_proj_bias", "down_proj_bias"):
-            assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl])
+        experts += ["gate_up_proj_bias", "down_proj_bias"]
+    if plain:
+        for name in experts:
+            plain["experts." + name] = plain["experts." + name][sl]
+    for name in experts:
+        assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl],
+                     "experts." + name)
+    if plain:
+        assert_jointly_close_to_ref(*joint)
     c = layer.exchange.counters
     assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
     if cfg.score_correction_bias:

@@ -1,8 +1,9 @@
 """Public helpers for testing MoE layers and one's own MoE code.
 
-- The tolerance rule (``assert_close_to_ref``, ``error_bound``, ...): a result's error
-  against float64 may be at most twice plain same-precision PyTorch's, plus one rounding
-  step.
+- The tolerance rule (``assert_close_to_ref``, ``assert_all_close_to_ref``,
+  ``assert_jointly_close_to_ref``, ``error_bound``, ...): a result's error against float64
+  may be at most twice plain same-precision PyTorch's, plus one rounding step;
+  ``value_and_grads`` gives the plain and float64 results of naive code.
 - A dense reference MoE written from the formulas, independent of moe_fn's
   implementation (``reference_moe``, ``reference_route``, ``reference_experts``,
   ``reference_activation``), its parameter record ``MoEParams`` and helpers to move
@@ -28,9 +29,18 @@ from .reference import (
     reference_route,
     split_gate_up,
 )
-from .tolerance import assert_close_to_ref, error_bound, max_error, rounding_step
+from .tolerance import (
+    assert_all_close_to_ref,
+    assert_close_to_ref,
+    assert_jointly_close_to_ref,
+    error_bound,
+    max_error,
+    rounding_step,
+    value_and_grads,
+)
 
-__all__ = ["MoEOutput", "MoEParams", "Route", "assert_close_to_ref", "error_bound",
-           "gradcheck_layer", "layer_params", "load_params", "max_error", "random_params",
-           "reference_activation", "reference_experts", "reference_moe", "reference_route",
-           "rounding_step", "split_gate_up"]
+__all__ = ["MoEOutput", "MoEParams", "Route", "assert_all_close_to_ref", "assert_close_to_ref",
+           "assert_jointly_close_to_ref", "error_bound", "gradcheck_layer", "layer_params",
+           "load_params", "max_error", "random_params", "reference_activation",
+           "reference_experts", "reference_moe", "reference_route", "rounding_step",
+           "split_gate_up", "value_and_grads"]

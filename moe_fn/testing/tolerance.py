@@ -9,6 +9,8 @@ whatever that machine does, so a bound derived from it holds everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 
@@ -51,3 +53,89 @@ def assert_close_to_ref(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Ten
             f"{label}error against float64 {err:.3g} > bound {bound:.3g} (twice plain "
             f"{got.dtype}'s error {max_error(plain, ref64):.3g} + one rounding step "
             f"{rounding_step(got.dtype, ref64):.3g})")
+
+
+def assert_all_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
+                            names: Sequence[str] | None = None) -> None:
+    """:func:`assert_close_to_ref` for each triple of three sequences (outputs and gradients,
+    say), each tensor against its own bound. An entry that is ``None`` (a gradient not
+    wanted) must be ``None`` in all three."""
+    got, plain, ref64 = list(got), list(plain), list(ref64)
+    names = [str(i) for i in range(len(got))] if names is None else list(names)
+    if not len(got) == len(plain) == len(ref64) == len(names):
+        raise AssertionError(f"lengths differ: got {len(got)}, plain {len(plain)}, ref64 "
+                             f"{len(ref64)}, names {len(names)}")
+    for g, p, r, n in zip(got, plain, ref64, names):
+        if g is None or p is None or r is None:
+            if not (g is None and p is None and r is None):
+                raise AssertionError(f"{n}: None in some but not all of got {g is None}, "
+                                     f"plain {p is None}, ref64 {r is None}")
+            continue
+        assert_close_to_ref(g, p, r, n)
+
+
+def assert_jointly_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
+                                names: Sequence[str] | None = None) -> None:
+    """The rule for a composite result taken as one tensor: each entry scaled by its own
+    float64 magnitude (``max |ref64|``), the largest scaled error of ``got`` at most twice
+    plain's plus one rounding step of the entries' dtype.
+
+    For a whole model's outputs and gradients, where a small entry alone (a bias, a loss)
+    holds too few elements for two maxima of rounding errors to be compared on every
+    machine; an entry that is wrong is still off by far more than the rounding of the rest.
+    ``None`` entries must be ``None`` in all three."""
+    got, plain, ref64 = list(got), list(plain), list(ref64)
+    names = [str(i) for i in range(len(got))] if names is None else list(names)
+    if not len(got) == len(plain) == len(ref64) == len(names):
+        raise AssertionError(f"lengths differ: got {len(got)}, plain {len(plain)}, ref64 "
+                             f"{len(ref64)}, names {len(names)}")
+    worst, plain_worst, step = (0.0, ""), 0.0, 0.0
+    for g, p, r, n in zip(got, plain, ref64, names):
+        if g is None or p is None or r is None:
+            if not (g is None and p is None and r is None):
+                raise AssertionError(f"{n}: None in some but not all of got {g is None}, "
+                                     f"plain {p is None}, ref64 {r is None}")
+            continue
+        if not (g.shape == p.shape == r.shape):
+            raise AssertionError(f"{n}: shapes differ: got {tuple(g.shape)}, plain "
+                                 f"{tuple(p.shape)}, ref64 {tuple(r.shape)}")
+        if g.dtype != p.dtype:
+            raise AssertionError(f"{n}: dtypes differ: got {g.dtype}, plain {p.dtype}")
+        scale = (r.abs().max().item() if r.numel() else 0.0) or 1.0  # all zero: absolute
+        err = max_error(g, r) / scale
+        if not err <= worst[0]:  # NaN counts as the worst
+            worst = (err, n)
+        plain_worst = max(plain_worst, max_error(p, r) / scale)
+        step = max(step, torch.finfo(g.dtype).eps)
+    bound = 2 * plain_worst + step
+    if not worst[0] <= bound:
+        raise AssertionError(
+            f"{worst[1]}: error against float64 {worst[0]:.3g} of its magnitude > bound "
+            f"{bound:.3g} (twice plain's largest {plain_worst:.3g} + one rounding step "
+            f"{step:.3g})")
+
+
+def value_and_grads(f: Callable, inputs: Sequence, *, dtype: torch.dtype | None = None,
+                    loss: Callable | None = None) -> list:
+    """``[f(*inputs), d loss / d input for each input]`` by autograd, with every floating
+    tensor input cast to ``dtype`` first (as it is when ``None``): run naive code once in the
+    precision under test and once in float64 to get ``plain`` and ``ref64`` for the rule.
+
+    ``loss`` maps the output to a scalar (default: the sum of squares, in float32 at least,
+    so float64 stays float64); inputs that are not floating tensors (offsets, ``None``,
+    Python values) pass through and get ``None`` as their gradient."""
+    def prep(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().to(dtype or t.dtype).requires_grad_()
+        return t
+    leaves = [prep(t) for t in inputs]
+    y = f(*leaves)
+    if loss is None:
+        scalar = y.to(torch.promote_types(y.dtype, torch.float32)).square().sum()
+    else:
+        scalar = loss(y)
+    wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    found = iter(torch.autograd.grad(scalar, wanted) if wanted else ())
+    grads = [next(found) if isinstance(t, torch.Tensor) and t.requires_grad else None
+             for t in leaves]
+    return [y.detach(), *grads]

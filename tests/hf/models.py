@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
+from torch.overrides import TorchFunctionMode
 
 from moe_fn.hf import PRESETS
+from moe_fn.testing import assert_jointly_close_to_ref
 
 VOCAB = 64
 SEQ = 8
@@ -304,19 +308,96 @@ def run(model, ids, labels):
     return out
 
 
-def assert_close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+class _KeepFloat64(TorchFunctionMode):
+    """Float64 stays float64 where HF's code casts to float32 (router softmaxes, the loss's
+    upcast, DeepSeek's float32 router), so that a float64 model is a float64 oracle; random
+    draws into float64 tensors take float32's values (Mixtral's jitter), as the float32
+    models draw them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        this = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if this is not None and this.dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return this
+            if func is torch.Tensor.uniform_:
+                draw = torch.empty_like(this, dtype=torch.float32).uniform_(*args[1:], **kwargs)
+                return this.copy_(draw)
+            if func in (torch.Tensor.to, torch.Tensor.type):
+                if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other)
+                    args = (this, args[1].device, args[1].dtype, *args[2:])
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if kwargs.get("dtype") is torch.float32 and _any_float64(args, kwargs):
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
 
 
-def assert_outputs_close(got, want, name):
-    assert_close(got.logits, want.logits, f"{name} logits")
-    assert_close(got.loss, want.loss, f"{name} loss")
-    rl_want = getattr(want, "router_logits", None)
-    if rl_want is not None:
-        assert got.router_logits is not None and len(got.router_logits) == len(rl_want)
-        assert len(rl_want) > 0, f"{name}: the reference recorded no router logits"
-        for i, (g, w) in enumerate(zip(got.router_logits, rl_want)):
-            assert_close(g, w, f"{name} router_logits[{i}]")
-    aux_want = getattr(want, "aux_loss", None)
-    if aux_want is not None:
-        assert_close(got.aux_loss, aux_want, f"{name} aux_loss")
+def _any_float64(args, kwargs):
+    stack = [*args, *kwargs.values()]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
+            return True
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+    return False
+
+
+def float64_twin(module):
+    """A float64 copy of an HF model or block, without gradient checkpointing: the oracle
+    (run it through ``run64``). HF's grouped_mm experts have no float64 kernel: eager."""
+    twin = copy.deepcopy(module).double()
+    twin.zero_grad(set_to_none=True)
+    if getattr(twin, "is_gradient_checkpointing", False):
+        getattr(twin, "activation_checkpointing_disable", twin.gradient_checkpointing_disable)()
+    for m in twin.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = "eager"
+    return twin
+
+
+def keep_float64():
+    """The context in which a ``float64_twin`` computes in float64 throughout."""
+    return _KeepFloat64()
+
+
+def run64(twin, ids, labels):
+    """``run`` of a ``float64_twin``, float64 throughout."""
+    with keep_float64():
+        return run(twin, ids, labels)
+
+
+class Parity:
+    """Outputs and gradients of a converted model (``got``), of the HF model it came from
+    (plain float32 PyTorch) and of that model's float64 twin, checked together by the
+    tolerance rule (``assert_jointly_close_to_ref``): one model's results are one
+    composite, whose small entries (a loss, a bias gradient) alone are too few samples."""
+
+    def __init__(self, name):
+        self.name, self.names, self.got, self.plain, self.ref64 = name, [], [], [], []
+
+    def add(self, what, got, plain, ref64):
+        assert ref64.dtype == torch.float64, f"{self.name} {what}: the oracle is {ref64.dtype}"
+        self.names.append(f"{self.name} {what}")
+        self.got.append(got)
+        self.plain.append(plain)
+        self.ref64.append(ref64)
+
+    def add_outputs(self, got, want, want64):
+        self.add("logits", got.logits, want.logits, want64.logits)
+        self.add("loss", got.loss, want.loss, want64.loss)
+        rl_want = getattr(want, "router_logits", None)
+        if rl_want is not None:
+            assert got.router_logits is not None and len(got.router_logits) == len(rl_want)
+            assert len(rl_want) > 0, f"{self.name}: the reference recorded no router logits"
+            for i, (g, w, w64) in enumerate(zip(got.router_logits, rl_want,
+                                                 want64.router_logits)):
+                self.add(f"router_logits[{i}]", g, w, w64)
+        aux_want = getattr(want, "aux_loss", None)
+        if aux_want is not None:
+            self.add("aux_loss", got.aux_loss, aux_want, want64.aux_loss)
+
+    def check(self):
+        assert self.got, f"{self.name}: nothing compared"
+        assert_jointly_close_to_ref(self.got, self.plain, self.ref64, self.names)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from moe_fn.hf import convert, converted_blocks, gather_expert_state_dict
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
-from tests.hf.models import AVAILABLE, assert_close, assert_outputs_close, batch, make_model, run
+from tests.hf.models import AVAILABLE, Parity, batch, float64_twin, make_model, run, run64
 
 
 def _check_preset(rank, world, name, ckpt, **options):
@@ -33,10 +33,13 @@ def _check_preset(rank, world, name, ckpt, **options):
         assert b.experts.gate_up_proj.shape[0] == b.moe_layer.config.num_experts // world
 
     ids, labels = batch(seed=rank)  # each rank its own tokens
+    ref64 = float64_twin(ref)  # the oracle; HF's float32 model is plain PyTorch
     want = run(ref, ids, labels)
     got = run(conv, ids, labels)
+    want64 = run64(ref64, ids, labels)
     tag = f"{name} ep{world} rank{rank}{' ckpt' if ckpt else ''} {options}"
-    assert_outputs_close(got, want, tag)
+    parity = Parity(tag)
+    parity.add_outputs(got, want, want64)
     for _, b in blocks:  # the recompute replayed the route: no second layout exchange
         counters = b.moe_layer.exchange.counters
         recomputed = ckpt and options.get("recompute_in_checkpoint", True)
@@ -46,25 +49,27 @@ def _check_preset(rank, world, name, ckpt, **options):
     # the reference's, sliced; every other parameter is replicated and sees local tokens.
     expert_keys = {f"{n}.experts.{p}" for n, _ in blocks
                    for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
-    want_p = dict(ref.named_parameters())
+    want_p, want64_p = dict(ref.named_parameters()), dict(ref64.named_parameters())
     for pname, p in conv.named_parameters():
-        w = want_p[pname].grad
+        w, w64 = want_p[pname].grad, want64_p[pname].grad
         if pname in expert_keys:
-            w = w.clone()
+            w, w64 = w.clone(), w64.clone()
             dist.all_reduce(w)
+            dist.all_reduce(w64)
             n = p.shape[0]
-            w = w[rank * n:(rank + 1) * n]
+            w, w64 = w[rank * n:(rank + 1) * n], w64[rank * n:(rank + 1) * n]
         if w is None:
             assert p.grad is None or not p.grad.any(), f"{tag}: {pname} has a stray gradient"
             continue
         assert p.grad is not None, f"{tag}: {pname} got no gradient"
-        assert_close(p.grad, w, f"{tag} grad {pname}")
+        parity.add(f"grad {pname}", p.grad, w, w64)
+    parity.check()
 
     full = gather_expert_state_dict(conv)
     sd = ref.state_dict()
     assert list(full) == list(sd)
-    for k, v in sd.items():
-        assert_close(full[k], v, f"{tag} gathered {k}")
+    for k, v in sd.items():  # the slices gathered: copies, the same bits
+        assert torch.equal(full[k], v), f"{tag} gathered {k}"
     fresh = make_model(name, seed=7)
     fresh.load_state_dict(full, strict=True)
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from moe_fn.hf import convert, expert_parameter_names
 from tests.dist_utils import run_distributed
-from tests.hf.models import assert_close, batch, make_model
+from tests.hf.models import Parity, batch, float64_twin, keep_float64, make_model
 
 
 def _loss(model, ids):
@@ -22,6 +22,7 @@ def _loss(model, ids):
 
 def _ddp_body(rank, world):
     ref = make_model("qwen3_moe")
+    ref64 = float64_twin(ref)  # the oracle; the float32 one is plain PyTorch
     # Another seed on rank 1: without the exclusion, DDP's start-up broadcast would copy
     # rank 0's experts over these (and its averaging would mix different experts' grads).
     conv = convert(copy.deepcopy(ref) if rank == 0 else make_model("qwen3_moe", seed=rank),
@@ -45,9 +46,16 @@ def _ddp_body(rank, world):
 
     # One process, every rank's batch: the mean of the per-rank losses (what DDP averages).
     (sum(_loss(ref, batch(seed=r)[0]) for r in range(world)) / world).backward()
+    with keep_float64():
+        (sum(_loss(ref64, batch(seed=r)[0]) for r in range(world)) / world).backward()
+    full64 = dict(ref64.named_parameters())
+    parity = Parity(f"rank {rank}")
     for n, p in params.items():
-        want = full[n].grad.chunk(world)[rank] if n in names else full[n].grad
-        assert_close(p.grad, want, f"rank {rank} grad {n}")
+        want, want64 = full[n].grad, full64[n].grad
+        if n in names:
+            want, want64 = want.chunk(world)[rank], want64.chunk(world)[rank]
+        parity.add(f"grad {n}", p.grad, want, want64)
+    parity.check()
     dist.barrier()
 
 

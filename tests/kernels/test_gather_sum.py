@@ -21,7 +21,7 @@ from moe_fn.pure.dispatch import (
     weighted_gather_sum_fwd,
 )
 from moe_fn.pure.row_weight import RowWeightRes, row_weight_bwd
-from moe_fn.testing import assert_close_to_ref
+from moe_fn.testing import assert_all_close_to_ref, assert_close_to_ref
 
 # The kernel runs on the GPU where there is one, else in the Triton interpreter (conftest).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,14 +85,14 @@ def test_kernel_reads_strided_rows():
     wide = torch.zeros(8, 128)
     wide[:, :64] = rows
     view = wide[:, :64]  # row stride 128
-    torch.testing.assert_close(gs.launch_gather_sum(view.to(DEV), index.to(DEV), 2).cpu(),
-                               gather_sum_fwd(rows, index, 2)[0])
+    assert_close_to_ref(gs.launch_gather_sum(view.to(DEV), index.to(DEV), 2).cpu(),
+                        gather_sum_fwd(rows, index, 2)[0], naive(rows, index, 2))
 
 
 def test_op_wrapper_and_opcheck():
     rows, index = _case(4, 2, 16, torch.float32)
     out, res = kernel_gather_sum(rows, index, 2)
-    torch.testing.assert_close(out, gather_sum_fwd(rows, index, 2)[0])
+    assert torch.equal(out, gather_sum_fwd(rows, index, 2)[0])  # CPU: the pure pair
     torch.library.opcheck(torch.ops.moe_fn.gather_sum.default, (rows, index, 2))
     with pytest.raises(ValueError, match="multiple of top_k"):
         torch.ops.moe_fn.gather_sum(rows, index[:7], 2)
@@ -112,6 +112,11 @@ def naive_weighted(rows, index, w, k):
     t = index.numel() // k
     return torch.stack([sum(w[i * k + j] * rows[int(index[i * k + j])] for j in range(k))
                         for i in range(t)])
+
+
+def _bwd64(d, rows, pos_to_row, w, k):
+    """The pure backward in float64: the oracle for the kernel's (split) backward."""
+    return weighted_gather_sum_bwd(d.double(), rows.double(), pos_to_row, w.double(), k)
 
 
 def test_weighted_pure_pair_matches_autograd_oracle():
@@ -163,9 +168,9 @@ def test_weighted_bwd_writes_into_the_given_tail():
                                                   w.to(DEV), 2, split=3,
                                                   hi_out=tail[5:].to(DEV))
     full, _ = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
-    torch.testing.assert_close(torch.cat([lo, hi]).cpu(), full)
+    assert_close_to_ref(torch.cat([lo, hi]).cpu(), full, _bwd64(d, rows, pos_to_row, w, 2)[0])
     if DEV == "cpu":
-        torch.testing.assert_close(tail[5:], full[3:])
+        assert hi.data_ptr() == tail[5:].data_ptr()
         assert not tail[:5].any()
 
 
@@ -176,15 +181,16 @@ def test_weighted_bwd_writes_the_head_where_it_is_given():
     d = torch.randn(4, 16)
     pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
     full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
+    full64, full_w64 = _bwd64(d, rows, pos_to_row, w, 2)
     region = torch.full((6, 20), -1.0, device=DEV)  # wider rows: a strided view
     head = region[1:4, :16]
     lo, hi, d_w = gs.launch_weighted_gather_sum_bwd(d.to(DEV), rows.to(DEV),
                                                     pos_to_row.to(DEV), w.to(DEV), 2,
                                                     split=3, lo_out=head)
     assert lo is head
-    torch.testing.assert_close(region[1:4, :16].cpu(), full[:3])
-    torch.testing.assert_close(hi.cpu(), full[3:])
-    torch.testing.assert_close(d_w.cpu(), full_w)
+    assert_close_to_ref(region[1:4, :16].cpu(), full[:3], full64[:3], "lo")
+    assert_close_to_ref(hi.cpu(), full[3:], full64[3:], "hi")
+    assert_close_to_ref(d_w.cpu(), full_w, full_w64, "d_w")
     assert bool((region[0] == -1).all() and (region[4:] == -1).all()
                 and (region[:, 16:] == -1).all())  # nothing written around it
     # The wrapper's pure path (CPU) writes it too.
@@ -199,13 +205,14 @@ def test_weighted_bwd_writes_the_head_where_it_is_given():
     empty = torch.zeros(16, 4, device=DEV).t()[:0]
     lo, hi, _ = gs.launch_weighted_gather_sum_bwd(d.to(DEV), rows.to(DEV), pos_to_row.to(DEV),
                                                   w.to(DEV), 2, split=0, lo_out=empty)
-    assert lo is empty and torch.allclose(hi.cpu(), full)
+    assert lo is empty
+    assert_close_to_ref(hi.cpu(), full, full64, "hi (split 0)")
 
 
 def test_weighted_op_and_wrappers_on_cpu():
     rows, index, w = _weighted_case(4, 2, 16, torch.float32)
     out, _ = kernel_weighted_fwd(rows, index, w, 2)
-    torch.testing.assert_close(out, weighted_gather_sum_fwd(rows, index, w, 2)[0])
+    assert torch.equal(out, weighted_gather_sum_fwd(rows, index, w, 2)[0])  # CPU: pure
     torch.library.opcheck(torch.ops.moe_fn.weighted_gather_sum.default, (rows, index, w, 2))
     with pytest.raises(ValueError, match="one entry per routed row"):
         torch.ops.moe_fn.weighted_gather_sum(rows, index, w[:7], 2)
@@ -213,8 +220,7 @@ def test_weighted_op_and_wrappers_on_cpu():
     pos_to_row = torch.empty_like(index).scatter_(0, index, torch.arange(8))
     lo, hi, d_w = kernel_weighted_bwd(d, rows, pos_to_row, w, 2, split=5)
     full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
-    torch.testing.assert_close(torch.cat([lo, hi]), full)
-    torch.testing.assert_close(d_w, full_w)
+    assert torch.equal(torch.cat([lo, hi]), full) and torch.equal(d_w, full_w)  # CPU: pure
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,8 +240,7 @@ def test_gather_row_weight_bwd_kernel_matches_pure(dtype, n, t, h):
     assert_close_to_ref(got_rows.cpu(), p_rows, r64.grad)
     assert_close_to_ref(got_w.cpu(), p_w, w64.grad)
     wrapped = kernel_gather_row_weight_bwd(src, index, rows, w)  # CPU: the pure pair
-    torch.testing.assert_close(wrapped[0], p_rows)
-    torch.testing.assert_close(wrapped[1], p_w)
+    assert torch.equal(wrapped[0], p_rows) and torch.equal(wrapped[1], p_w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -251,14 +256,14 @@ def test_gather_row_weight_bwd_reads_own_rows_where_they_are(dtype, n_src):
     rows = torch.randn(9, 24, generator=g).to(dtype)
     w = torch.rand(9, generator=g)
     joined = torch.cat([src, own.index_select(0, own_tokens)])
-    want_rows, want_w = row_weight_bwd(RowWeightRes(rows, w), joined.index_select(0, index))
+    want = row_weight_bwd(RowWeightRes(rows, w), joined.index_select(0, index))
+    want64 = row_weight_bwd(RowWeightRes(rows.double(), w.double()),
+                            joined.double().index_select(0, index))
     got = gs.launch_gather_row_weight_bwd(src.to(DEV), index.to(DEV), rows.to(DEV), w.to(DEV),
                                           own=own.to(DEV), own_tokens=own_tokens.to(DEV))
-    torch.testing.assert_close(got[0].cpu(), want_rows)
-    torch.testing.assert_close(got[1].cpu(), want_w)
+    assert_all_close_to_ref([g.cpu() for g in got], want, want64, ("d_rows", "d_w"))
     wrapped = kernel_gather_row_weight_bwd(src, index, rows, w, own=own, own_tokens=own_tokens)
-    torch.testing.assert_close(wrapped[0], want_rows)
-    torch.testing.assert_close(wrapped[1], want_w)
+    assert_all_close_to_ref(wrapped, want, want64, ("d_rows", "d_w"))
     for fn in (gs.launch_gather_row_weight_bwd, kernel_gather_row_weight_bwd):
         with pytest.raises(ValueError, match="own and own_tokens go together"):
             fn(src, index, rows, w, own=own)
@@ -298,9 +303,11 @@ def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own,
     index = index[:index.numel() // k * k]
     w = torch.rand(index.numel(), generator=g) if weighted else None
     want = torch.zeros(index.numel() // k, 24, dtype=torch.float64)
+    plain = torch.zeros(index.numel() // k, 24, dtype=dtype)  # the same loop in dtype
     for e, j in enumerate(index.tolist()):
         row = rows[j] if j < n_src else own[own_index[j - n_src]]
         want[e // k] += row.double() * (1.0 if w is None else float(w[e]))
+        plain[e // k] += row * (1.0 if w is None else float(w[e]))
     if with_values:
         want_v = torch.tensor([[float(in_vals[j]) if j < n_src
                                 else float(own_vals[own_index[j - n_src]])]
@@ -319,8 +326,7 @@ def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own,
                                   values=vals, own_values=own_vals, values_out=pure_v)
             if own is not None or with_values else gs.launch_gather_sum(rows, index, k, w))
     assert_close_to_ref(got.cpu(), pure, want)
-    tol = {} if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(pure.double(), want, **tol)
+    assert_close_to_ref(pure, plain, want)
     if with_values:
         assert torch.equal(got_v.cpu(), want_v) and torch.equal(pure_v, want_v)
 
@@ -407,7 +413,7 @@ def test_masked_gather_sum_kernel_matches_pure_and_naive(dtype, weighted, n, r, 
     pure = masked_gather_sum(rows, table, w)
     assert got.shape == (r, h) and pure.shape == (r, h)
     assert_close_to_ref(got, pure, naive_masked(rows, table, w))
-    torch.testing.assert_close(kernel_masked_gather_sum(rows, table, w), pure)  # CPU: pure
+    assert torch.equal(kernel_masked_gather_sum(rows, table, w), pure)  # CPU: pure
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -452,7 +458,7 @@ def test_masked_gather_sum_writes_into_a_row_strided_view():
     wide = torch.full((3, 24), 3.0, device=DEV)
     kernel_masked_gather_sum(rows, table, out=wide[:, :19])
     want = masked_gather_sum(rows.cpu(), table.cpu())
-    torch.testing.assert_close(wide[:, :19].cpu(), want)
+    assert_close_to_ref(wide[:, :19].cpu(), want, naive_masked(rows.cpu(), table.cpu()))
     assert (wide[:, 19:] == 3).all()
 
 
@@ -526,15 +532,14 @@ def test_kernels_read_and_write_rows_at_every_stride_alignment(width):
     table = torch.tensor([[0, -1], [5, 2], [-1, 9]], device=DEV)
     w = torch.rand(10, generator=g).to(DEV)
     got = gs.launch_masked_gather_sum(src, table, w, out=dst[:3, :h])
-    torch.testing.assert_close(got.cpu().float(), masked_gather_sum(
-        src.cpu().float(), table.cpu(), w.cpu()), rtol=1e-2, atol=1e-2)
+    assert_close_to_ref(got.cpu(), masked_gather_sum(src.cpu(), table.cpu(), w.cpu()),
+                        naive_masked(src.cpu(), table.cpu(), w.cpu()), "masked_gather_sum")
     rw = torch.rand(8, generator=g).to(DEV)
     d_rows, d_w = gs.launch_gather_row_weight_bwd(src, index, dst[:, :h], rw)
-    want_rows, want_w = row_weight_bwd(RowWeightRes(dst[:, :h].cpu().float(), rw.cpu()),
-                                       src.cpu().float()[index.cpu()])
-    torch.testing.assert_close(d_rows.cpu().float(), want_rows, rtol=1e-2, atol=1e-2)
-    # float32 sums of the same products in another order.
-    torch.testing.assert_close(d_w.cpu(), want_w.to(d_w.dtype), rtol=1e-5, atol=1e-5)
+    rows_in, d_in = dst[:, :h].cpu(), src.cpu()[index.cpu()]
+    plain = row_weight_bwd(RowWeightRes(rows_in, rw.cpu()), d_in)
+    ref64 = row_weight_bwd(RowWeightRes(rows_in.double(), rw.cpu().double()), d_in.double())
+    assert_all_close_to_ref([d_rows.cpu(), d_w.cpu()], plain, ref64, ("d_rows", "d_w"))
 
 
 def test_gather_rows_with_mixed_strides_and_a_strided_index():
@@ -718,6 +723,9 @@ def test_weighted_bwd_scatters_the_tail_at_hi_index(fused):
     full, full_w = weighted_gather_sum_bwd(d, rows, pos_to_row, w, 2)
     want = hi_out.clone()
     want[hi_index] = full[3:]
+    full64, full_w64 = _bwd64(d, rows, pos_to_row, w, 2)
+    want64 = hi_out.double()
+    want64[hi_index] = full64[3:]
     if fused:
         lo, hi, d_w = gs.launch_weighted_gather_sum_bwd(
             d.to(DEV), rows.to(DEV), pos_to_row.to(DEV), w.to(DEV), 2, split=3,
@@ -725,9 +733,11 @@ def test_weighted_bwd_scatters_the_tail_at_hi_index(fused):
     else:
         lo, hi, d_w = kernel_weighted_bwd(d, rows, pos_to_row, w, 2, split=3, hi_out=hi_out,
                                           hi_index=hi_index)
-    torch.testing.assert_close(lo.cpu(), full[:3])
-    torch.testing.assert_close(hi.cpu(), want)
-    torch.testing.assert_close(d_w.cpu(), full_w)
+    if fused:  # the kernel: another summation order
+        assert_all_close_to_ref([lo.cpu(), hi.cpu(), d_w.cpu()], [full[:3], want, full_w],
+                                [full64[:3], want64, full_w64], ("lo", "hi", "d_w"))
+    else:  # the CPU wrapper: the pure pair
+        assert torch.equal(lo, full[:3]) and torch.equal(hi, want) and torch.equal(d_w, full_w)
     fn = gs.launch_weighted_gather_sum_bwd if fused else kernel_weighted_bwd
     with pytest.raises(ValueError, match="hi_index needs hi_out"):
         fn(d, rows, pos_to_row, w, 2, split=3, hi_index=hi_index)

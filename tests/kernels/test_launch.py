@@ -358,9 +358,14 @@ def test_column_offsets_past_int32_get_a_contiguous_copy():
                                     "router_fwd"])
 def test_strided_operands_pass_through_the_int32_column_guard(monkeypatch, kernel):
     """Every launcher hands its caller-strided operands to int32_columns (a spy here) and
-    computes with what it returns."""
+    computes with what it returns; on the GPU where there is one, else in the interpreter
+    (the launchers take the device of their operands)."""
     from moe_fn.kernels import activation, router, row_weight
+    from moe_fn.testing import assert_all_close_to_ref, assert_close_to_ref
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not activation.interpreting():
+        pytest.skip("needs a GPU, or TRITON_INTERPRET=1 before triton is imported")
     seen = []
 
     def spy(t):
@@ -372,21 +377,27 @@ def test_strided_operands_pass_through_the_int32_column_guard(monkeypatch, kerne
     t = torch.randn(6, 5, generator=g).t()  # (5, 6), column stride 5
     other = torch.randn(5, 6, generator=g)
     w = torch.rand(5, generator=g)
+    t64, other64, w64 = t.double(), other.double(), w.double()
+    t_dev = t.to(dev)  # (.to keeps the strides)
+    assert t_dev.stride() == t.stride()
     if kernel == "swiglu_bwd":
-        dg, du, _ = activation.launch_swiglu_bwd(other, other.clone(), None, t, 0, 0.0, 0.0,
-                                                 needs=(True, True, False))
-        want = activation_pure_bwd(other, t)
-        torch.testing.assert_close(dg, want[0])
-        torch.testing.assert_close(du, want[1])
+        gate, up = other.to(dev), other.clone().to(dev)
+        got = activation.launch_swiglu_bwd(gate, up, None, t_dev, 0, 0.0, 0.0,
+                                           needs=(True, True, False))[:2]
+        assert_all_close_to_ref([v.cpu() for v in got], activation_pure_bwd(other, t),
+                                activation_pure_bwd(other64, t64), ("d_gate", "d_up"))
     elif kernel == "row_weight_fwd":
-        torch.testing.assert_close(row_weight.launch_row_weight_fwd(t, w), t * w[:, None])
+        assert_close_to_ref(row_weight.launch_row_weight_fwd(t_dev, w.to(dev)).cpu(),
+                            t * w[:, None], t64 * w64[:, None])
     elif kernel == "row_weight_bwd":
-        dx, dw = row_weight.launch_row_weight_bwd(t, w, t)
-        torch.testing.assert_close(dx, t * w[:, None])
-        torch.testing.assert_close(dw, (t * t).sum(1))
+        dx, dw = row_weight.launch_row_weight_bwd(t_dev, w.to(dev), t_dev)
+        assert_all_close_to_ref([dx.cpu(), dw.cpu()], [t * w[:, None], (t * t).sum(1)],
+                                [t64 * w64[:, None], (t64 * t64).sum(1)], ("d_rows", "d_w"))
     else:
-        idx, *_ = router.launch_router_fwd(t, None, top_k=2, score_id=0, norm=False, scale=1.0)
-        assert torch.equal(idx.sort(1).values, t.softmax(-1).topk(2).indices.sort(1).values)
+        idx, *_ = router.launch_router_fwd(t_dev, None, top_k=2, score_id=0, norm=False,
+                                           scale=1.0)
+        assert torch.equal(idx.cpu().sort(1).values,
+                           t.softmax(-1).topk(2).indices.sort(1).values)
     assert (5, 6) in seen, seen
 
 

@@ -11,6 +11,7 @@ import moe_fn.kernels as ops
 from moe_fn.kernels import _registry
 from moe_fn.pure import activations as pa
 from moe_fn.pure import row_weight as pr
+from moe_fn.testing import assert_close_to_ref
 from tests.kernels.forcing import force_triton
 
 OPS = torch.ops.moe_fn
@@ -82,53 +83,65 @@ def test_compile_fullgraph():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _compare_wrappers():
-    """The kernels wrappers against the pure pairs: same structure, same values (tolerance
-    only for the float32 kernels)."""
+def _compare_wrappers(exact):
+    """The kernels wrappers against the pure pairs: same structure, same values (the same
+    bits on the pure path; the tolerance rule against the pure pairs in float64 for the
+    float32 kernels)."""
     n, i = 9, 7
     g, u, dh = _t(n, i), _t(n, i, seed=1), torch.ones(1, 1).expand(n, i)
     gu, w, x = _t(n, 2 * i, seed=2), _t(n, seed=3).abs(), _t(n, 4, seed=4)
-    tol = {"rtol": 1e-5, "atol": 1e-5}
+    g64, u64, dh64, gu64, w64, x64 = (t.double() for t in (g, u, dh, gu, w, x))
 
-    def same(a, b):
+    def same(a, b, ref):
         assert type(a) is type(b)
         if isinstance(a, tuple):
-            assert len(a) == len(b)
-            for p, q in zip(a, b):
-                same(p, q)
+            assert len(a) == len(b) == len(ref)
+            for p, q, r in zip(a, b, ref):
+                same(p, q, r)
         elif isinstance(a, torch.Tensor):
-            torch.testing.assert_close(a, b, **tol)
+            if exact:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                assert_close_to_ref(a, b, ref)
+        elif isinstance(a, float):
+            assert a == b == ref
         else:
             assert a == b
 
-    for weights in (None, w):
+    for weights, weights64 in ((None, None), (w, w64)):
         for needs in ((True, True, True), (False, True, False), (True, False, True)):
             kw = dict(act_id=OAI[0], alpha=OAI[1], limit=OAI[2])
             hk, rk = ops.swiglu_fwd(g, u, weights, **kw)
             hp, rp = pa.swiglu_fwd(g, u, weights, **kw)
-            same((hk, rk), (hp, rp))
-            same(ops.swiglu_bwd(rk, dh, needs=needs), pa.swiglu_bwd(rp, dh, needs=needs))
+            h64, r64 = pa.swiglu_fwd(g64, u64, weights64, **kw)
+            same((hk, rk), (hp, rp), (h64, r64))
+            same(ops.swiglu_bwd(rk, dh, needs=needs), pa.swiglu_bwd(rp, dh, needs=needs),
+                 pa.swiglu_bwd(r64, dh64, needs=needs))
             for layout_id in (0, 1):
                 hk, rk = ops.swiglu_packed_fwd(gu, weights, **kw, layout_id=layout_id)
                 hp, rp = pa.swiglu_packed_fwd(gu, weights, **kw, layout_id=layout_id)
-                same((hk, rk), (hp, rp))
+                h64, r64 = pa.swiglu_packed_fwd(gu64, weights64, **kw, layout_id=layout_id)
+                same((hk, rk), (hp, rp), (h64, r64))
                 same(ops.swiglu_packed_bwd(rk, dh, needs=needs[1:]),
-                     pa.swiglu_packed_bwd(rp, dh, needs=needs[1:]))
+                     pa.swiglu_packed_bwd(rp, dh, needs=needs[1:]),
+                     pa.swiglu_packed_bwd(r64, dh64, needs=needs[1:]))
     for needs in ((True, True), (False, True), (True, False)):
         ok, rk = ops.row_weight_fwd(x, w)
         op_, rp = pr.row_weight_fwd(x, w)
-        same((ok, rk), (op_, rp))
-        same(ops.row_weight_bwd(rk, x, needs=needs), pr.row_weight_bwd(rp, x, needs=needs))
+        o64, r64 = pr.row_weight_fwd(x64, w64)
+        same((ok, rk), (op_, rp), (o64, r64))
+        same(ops.row_weight_bwd(rk, x, needs=needs), pr.row_weight_bwd(rp, x, needs=needs),
+             pr.row_weight_bwd(r64, x64, needs=needs))
 
 
 def test_wrappers_pure_path():
-    _compare_wrappers()
+    _compare_wrappers(exact=True)
 
 
 def test_wrappers_triton_path(monkeypatch):
     """The ops' Triton branch (normally CUDA only), forced on CPU under the interpreter."""
     calls = force_triton(monkeypatch, _registry)
-    _compare_wrappers()
+    _compare_wrappers(exact=False)
     assert calls
 
 

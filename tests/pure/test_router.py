@@ -3,6 +3,7 @@ float64 gradcheck of the backward through the weights."""
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -17,7 +18,7 @@ from moe_fn.pure.router import (
     router_linear_fwd,
     router_validate,
 )
-from moe_fn.testing import reference_route
+from moe_fn.testing import assert_close_to_ref, reference_route
 
 # ----------------------------------------------------------------------------- oracle
 
@@ -52,7 +53,10 @@ def check_against_reference(idx, w, logits, bias, cfg, *, all_decided=False):
         assert not near.any(), ref.margin[near]
     torch.testing.assert_close(idx[~near], ref.topk_idx[~near], rtol=0, atol=0)
     own = reference_route(lg, topk_idx=idx, score_correction_bias=b, **cfg)
-    torch.testing.assert_close(w.double(), own.topk_weight, rtol=2e-6, atol=1e-7)
+    # Plain: the same naive code in the weights' precision.
+    plain = reference_route(logits.to(w.dtype), topk_idx=idx, score_correction_bias=(
+        None if bias is None else bias.to(w.dtype)), **cfg)
+    assert_close_to_ref(w, plain.topk_weight, own.topk_weight, "weights")
     return ref
 
 
@@ -160,7 +164,14 @@ def test_tie_rule_lower_index_wins():
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0])
     (idx, w), _ = router_fwd(logits, bias, top_k=3, score_func="sigmoid")
     assert idx.tolist() == [[2, 1, 3]]
-    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[0.0, 1.0, 1.0]])))
+    _assert_sigmoid(w, [[0.0, 1.0, 1.0]])
+
+
+def _assert_sigmoid(w, chosen_logits):
+    """Unnormalised sigmoid weights: within twice plain float32 sigmoid's error of float64
+    (a sigmoid over other row lengths may take another vector path)."""
+    x = torch.tensor(chosen_logits, dtype=torch.float64)
+    assert_close_to_ref(w, torch.sigmoid(x.float()), torch.sigmoid(x), "weights")
 
 
 def test_torch_topk_tie_behaviour_is_not_a_rule():
@@ -176,7 +187,7 @@ def test_bias_moves_choice_not_weights():
     bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
     (idx, w), _ = router_fwd(logits, bias, top_k=2, score_func="sigmoid")
     assert idx.tolist() == [[3, 0]]
-    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[-1.0, 2.0]])))
+    _assert_sigmoid(w, [[-1.0, 2.0]])
 
 
 def test_dtypes_and_empty():
@@ -203,24 +214,29 @@ def _hf_router(module_name, cls_name, **cfg):
     return r
 
 
-def _sort_by_idx(idx, w):
+def _sort_by_idx(idx, *ws):
     order = idx.argsort(dim=-1)
-    return idx.gather(1, order), w.gather(1, order)
+    return (idx.gather(1, order), *(w.gather(1, order) for w in ws))
 
 
 def _hf_logits(t, e, seed):
     return torch.randn(t, e, generator=torch.Generator().manual_seed(seed))
 
 
-def _check_hf(hf_out, logits, ours, *, ordered):
+def _check_hf(hf_out, logits, cfg, bias=None, *, ordered):
+    """Ours (``router_fwd(logits, bias, **cfg)``) against HF's router: the same experts, and
+    weights within twice the error of HF's own float32 weights of the float64 reference's
+    weights of those experts."""
     hf_logits, hf_w, hf_idx = hf_out
     torch.testing.assert_close(hf_logits.float(), logits, rtol=0, atol=0)  # W = I exactly
-    idx, w = ours
+    (idx, w), _ = router_fwd(logits, bias, **cfg)
+    ref_w = reference_route(logits.double(), topk_idx=idx, score_correction_bias=(
+        None if bias is None else bias.double()), **cfg).topk_weight
     if not ordered:
-        idx, w = _sort_by_idx(idx, w)
+        idx, w, ref_w = _sort_by_idx(idx, w, ref_w)
         hf_idx, hf_w = _sort_by_idx(hf_idx, hf_w)
     torch.testing.assert_close(idx, hf_idx, rtol=0, atol=0)
-    torch.testing.assert_close(w, hf_w.float(), rtol=1e-6, atol=1e-7)
+    assert_close_to_ref(w, hf_w.float(), ref_w, "weights")
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -229,9 +245,9 @@ def test_hf_qwen3_moe(norm):
     r = _hf_router("qwen3_moe", "Qwen3MoeTopKRouter", num_experts_per_tok=4, num_experts=e,
                    norm_topk_prob=norm, hidden_size=e)
     logits = _hf_logits(50, e, 0)
-    ours, _ = router_fwd(logits, top_k=4, score_func="softmax", norm_topk_prob=norm)
+    cfg = dict(top_k=4, score_func="softmax", norm_topk_prob=norm)
     # Qwen3 sorts its top-k (torch.topk sorted=True): same order as ours when tie-free.
-    _check_hf(r(logits), logits, ours, ordered=True)
+    _check_hf(r(logits), logits, cfg, ordered=True)
 
 
 def test_hf_mixtral():
@@ -239,8 +255,8 @@ def test_hf_mixtral():
     r = _hf_router("mixtral", "MixtralTopKRouter", num_experts_per_tok=2, num_local_experts=e,
                    hidden_size=e)
     logits = _hf_logits(50, e, 1)
-    ours, _ = router_fwd(logits, top_k=2, score_func="softmax", norm_topk_prob=True)
-    _check_hf(r(logits), logits, ours, ordered=True)
+    cfg = dict(top_k=2, score_func="softmax", norm_topk_prob=True)
+    _check_hf(r(logits), logits, cfg, ordered=True)
 
 
 @pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (8, 3)])
@@ -252,13 +268,13 @@ def test_hf_deepseek_v3_and_glm4_moe(n_group, topk_group, norm):
                norm_topk_prob=norm)
     logits = _hf_logits(64, e, 2)
     bias = 0.05 * torch.randn(e, generator=torch.Generator().manual_seed(3))
-    ours, _ = router_fwd(logits, bias, top_k=6, score_func="sigmoid", norm_topk_prob=norm,
-                         n_group=n_group, topk_group=topk_group, group_score="top2_sum",
-                         routed_scaling_factor=2.5)
+    ours = dict(top_k=6, score_func="sigmoid", norm_topk_prob=norm,
+                n_group=n_group, topk_group=topk_group, group_score="top2_sum",
+                routed_scaling_factor=2.5)
     for mod, cls in (("deepseek_v3", "DeepseekV3TopkRouter"), ("glm4_moe", "Glm4MoeTopkRouter")):
         r = _hf_router(mod, cls, **cfg)
         r.e_score_correction_bias.copy_(bias)
-        _check_hf(r(logits), logits, ours, ordered=False)
+        _check_hf(r(logits), logits, ours, bias, ordered=False)
 
 
 @pytest.mark.parametrize("method,n_group,topk_group", [("greedy", 1, 1),
@@ -269,10 +285,10 @@ def test_hf_deepseek_v2(method, n_group, topk_group):
                    hidden_size=e, routed_scaling_factor=16.0, topk_method=method,
                    n_group=n_group, topk_group=topk_group)
     logits = _hf_logits(64, e, 4)
-    ours, _ = router_fwd(logits, top_k=3, score_func="softmax", norm_topk_prob=False,
+    cfg = dict(top_k=3, score_func="softmax", norm_topk_prob=False,
                          n_group=n_group, topk_group=topk_group, group_score="max",
                          routed_scaling_factor=16.0)
-    _check_hf(r(logits), logits, ours, ordered=False)
+    _check_hf(r(logits), logits, cfg, ordered=False)
 
 
 def test_hf_minimax_m2():
@@ -281,8 +297,8 @@ def test_hf_minimax_m2():
                    num_local_experts=e, hidden_size=e)
     logits = _hf_logits(64, e, 5)
     bias = 0.1 * torch.randn(e, generator=torch.Generator().manual_seed(6))
-    ours, _ = router_fwd(logits, bias, top_k=4, score_func="sigmoid", norm_topk_prob=True)
-    _check_hf(r(logits, bias), logits, ours, ordered=False)
+    cfg = dict(top_k=4, score_func="sigmoid", norm_topk_prob=True)
+    _check_hf(r(logits, bias), logits, cfg, bias, ordered=False)
 
 
 def test_hf_gpt_oss():
@@ -292,8 +308,8 @@ def test_hf_gpt_oss():
     with torch.no_grad():
         r.bias.zero_()
     logits = _hf_logits(64, e, 7)
-    ours, _ = router_fwd(logits, top_k=4, score_func="softmax_topk")
-    _check_hf(r(logits), logits, ours, ordered=True)
+    cfg = dict(top_k=4, score_func="softmax_topk")
+    _check_hf(r(logits), logits, cfg, ordered=True)
 
 
 def test_hf_ties_agree_on_weights():
@@ -305,7 +321,9 @@ def test_hf_ties_agree_on_weights():
     logits = torch.randint(0, 3, (40, e), generator=torch.Generator().manual_seed(8)).float()
     (_, w), _ = router_fwd(logits, top_k=4, score_func="softmax", norm_topk_prob=True)
     _, hf_w, _ = r(logits)
-    torch.testing.assert_close(w.sort(dim=-1).values, hf_w.sort(dim=-1).values)
+    _, hf64_w, _ = copy.deepcopy(r).double()(logits.double())
+    assert_close_to_ref(w.sort(dim=-1).values, hf_w.float().sort(dim=-1).values,
+                        hf64_w.sort(dim=-1).values, "sorted weights")
 
 
 # ----------------------------------------------------------------------------- backward

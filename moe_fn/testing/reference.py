@@ -73,8 +73,10 @@ class Route(NamedTuple):
     group scores) that decides the row: adjacent entries among its ``k + 1`` best eligible
     experts, and the last kept group against the first dropped one. A computation whose
     rounding error in the choice values exceeds half of it may choose differently (and
-    still be right for its precision); exact ties (gap 0) are decided by the tie rule in
-    every precision. ``inf`` where nothing is decided by a gap; None for a given route.
+    still be right for its precision); exact ties between identical inputs (gap 0) are
+    decided by the tie rule in every precision, while an exact tie between values of other
+    inputs (two groups' sums) gives margin 0. ``inf`` where nothing is decided by a gap;
+    None for a given route.
     """
 
     topk_idx: torch.Tensor
@@ -155,23 +157,40 @@ def _smallest_gap(gaps) -> float:
     return min(gaps) if gaps else math.inf
 
 
-def _choose_row(c: list[float], *, top_k, n_group, topk_group, group_score):
-    """One token's chosen experts and its decision margin, from its choice values."""
+def _gap(a: float, b: float, key_a, key_b) -> float:
+    """The gap between two choice values; an exact tie counts as decided (gap 0, the tie
+    rule) only between identical inputs, which every precision computes to the same bits.
+    Equal values from other inputs (two groups' sums of other members) are a tie that
+    another precision's rounding may break either way: no margin at all."""
+    if a == b and key_a != key_b:
+        return -math.inf
+    return a - b
+
+
+def _choose_row(c: list[float], keys: list, *, top_k, n_group, topk_group, group_score):
+    """One token's chosen experts and its decision margin, from its choice values and the
+    inputs each was computed from (``keys``)."""
     num_experts = len(c)
     eligible = range(num_experts)
     gaps = []
     if n_group > 1:
         per = num_experts // n_group
-        gscore = []
+        gscore, gkey = [], []
         for g in range(n_group):
-            vals = sorted(c[g * per:(g + 1) * per], reverse=True)
-            gscore.append(vals[0] + vals[1] if group_score == "top2_sum" else vals[0])
+            members = _descending(c, range(g * per, (g + 1) * per))
+            used = members[:2] if group_score == "top2_sum" else members[:1]
+            gscore.append(sum(c[e] for e in used))
+            gkey.append(tuple(keys[e] for e in used))
         groups = _descending(gscore, range(n_group))
         if topk_group < n_group:
-            gaps.append(gscore[groups[topk_group - 1]] - gscore[groups[topk_group]])
+            last, first_out = groups[topk_group - 1], groups[topk_group]
+            gaps.append(_gap(gscore[last], gscore[first_out], gkey[last], gkey[first_out]))
         eligible = [e for g in sorted(groups[:topk_group]) for e in range(g * per, (g + 1) * per)]
     order = _descending(c, eligible)
-    gaps += [c[order[j]] - c[order[j + 1]] for j in range(min(top_k, len(order) - 1))]
+    gaps += [_gap(c[order[j]], c[order[j + 1]], keys[order[j]], keys[order[j + 1]])
+             for j in range(min(top_k, len(order) - 1))]
+    if any(g == -math.inf for g in gaps):
+        return order[:top_k], 0.0
     return order[:top_k], _smallest_gap(gaps)
 
 
@@ -194,8 +213,12 @@ def reference_route(logits, *, top_k: int, score_func: str = "softmax",
             choice = choice + score_correction_bias.detach().to(choice.dtype)
         if torch.isnan(choice).any():
             raise ValueError("the reference routes finite or infinite choice values, not NaN")
-        rows = [_choose_row(row, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                            group_score=group_score) for row in choice.tolist()]
+        # What each choice value is computed from, within its row: its logit and bias.
+        b = (score_correction_bias.detach().reshape(-1).tolist()
+             if score_correction_bias is not None else [0.0] * num_experts)
+        rows = [_choose_row(row, list(zip(lrow, b)), top_k=top_k, n_group=n_group,
+                            topk_group=topk_group, group_score=group_score)
+                for row, lrow in zip(choice.tolist(), logits.detach().tolist())]
         topk_idx = torch.tensor([r[0] for r in rows], dtype=torch.int64,
                                 device=logits.device).reshape(t, top_k)
         margin = torch.tensor([r[1] for r in rows], dtype=torch.float64).reshape(t)

@@ -53,6 +53,9 @@ def check_against_reference(idx, w, logits, bias, cfg, *, all_decided=False):
         assert not near.any(), ref.margin[near]
     torch.testing.assert_close(idx[~near], ref.topk_idx[~near], rtol=0, atol=0)
     own = reference_route(lg, topk_idx=idx, score_correction_bias=b, **cfg)
+    if w.dtype == torch.float64:  # the reference's own precision: torch's float64 bounds
+        torch.testing.assert_close(w, own.topk_weight)
+        return ref
     # Plain: the same naive code in the weights' precision.
     plain = reference_route(logits.to(w.dtype), topk_idx=idx, score_correction_bias=(
         None if bias is None else bias.to(w.dtype)), **cfg)

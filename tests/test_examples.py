@@ -60,6 +60,7 @@ def test_ep_torchrun_matches_one_process():
                os.path.join(EXAMPLES, "ep_torchrun.py"), "--steps", "3", timeout=300)
     assert "rank 0: experts 0-3" in out and "rank 1: experts 4-7" in out, out
     assert "EP2 over gloo" in out, out
-    counters = re.search(r"'layout': (\d+), 'dispatch': (\d+)", out)
-    assert counters and counters.groups() == ("3", "3"), out
+    # One layout and one dispatch per step: nothing is routed twice.
+    for counter in ("layout", "dispatch"):
+        assert re.search(rf"'{counter}': 3\b", out), out
     _check_parity("EP2 vs one process", out)

@@ -15,8 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"moe_fn {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     d = sub.add_parser(
-        "demo", help="train a small random Qwen3-MoE with every optimisation on and off "
-                     "(expert parallel over gloo by default) and compare the two runs",
+        "demo", help="train a small random Qwen3-MoE with every optimisation on, with "
+                     "every option off and as transformers' own model (expert parallel "
+                     "over gloo by default), and check that the runs agree",
         description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     return p

@@ -26,7 +26,22 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def set_debug_checks(enabled: bool) -> None:
-    """Switch on the checks that cost a device-to-host sync (``offs`` values on CUDA)."""
+    """Switch on (or off) the checks that cost a device-to-host sync; process-wide.
+
+    With debug checks on, the values of CUDA tensors are checked as CPU ones always are:
+    ``moe_fn.functional``'s ``offs`` (non-decreasing, non-negative, ending at the row
+    count) and the expert indices a dispatch layout is built from (in
+    ``[0, num_experts)``); and a MoELayer checks its router's score-correction bias for
+    non-finite values at every call (a state dict that loads one is checked either way).
+    Off by default; ``MOE_FN_DEBUG=1`` in the environment turns them on at import. They
+    are skipped while ``torch.compile`` traces.
+
+    Args:
+        enabled: True to turn the checks on, False to turn them off.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
     global _debug
     if not isinstance(enabled, bool):
         raise TypeError(f"set_debug_checks takes a bool, got {enabled!r}")
@@ -34,6 +49,7 @@ def set_debug_checks(enabled: bool) -> None:
 
 
 def debug_checks() -> bool:
+    """Whether the checks that cost a device-to-host sync are on (``set_debug_checks``)."""
     return _debug
 
 

@@ -523,6 +523,39 @@ class MoELayer(nn.Module):
     @torch.compiler.disable(reason="moe_fn.MoELayer runs eagerly under torch.compile (a graph "
                             "break at its call): compile without fullgraph=True")
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+        """Route each token of ``x`` to its ``top_k`` experts and return the weighted sum
+        of their outputs.
+
+        Args:
+            x: ``(..., hidden_size)``, float16, bfloat16, float32 or float64, on the
+                layer's device and in its parameters' dtype. Every leading dimension is a
+                token dimension: ``T`` is their product. Under ``torch.autocast`` a float32
+                layer computes in autocast's dtype (``x`` float32 or already in it).
+            return_router_logits: also return the router's logits.
+
+        Returns:
+            ``out``, with ``x``'s shape and dtype (autocast's dtype under autocast); with
+            ``return_router_logits``, ``(out, router_logits)``, the logits ``(T,
+            num_experts)`` flattened over the token dimensions as Hugging Face's routers
+            return them, in the router's compute dtype (``x``'s here).
+
+        With ``ep_size > 1`` every rank of the group must call the layer in the same
+        order with the same config and dtype (its exchange is collective; the first call
+        per dtype checks that they agree). Inside ``moe_fn.checkpoint`` or a converted
+        model's HF checkpointing, the recompute replays the forward's routing.
+
+        Raises:
+            TypeError: ``x`` is not a tensor or not one of those dtypes;
+                ``return_router_logits`` is not a bool; a parameter's dtype differs from
+                ``x``'s (outside autocast).
+            ValueError: ``x`` is 0-dimensional, its last dimension is not
+                ``hidden_size`` or it is on the meta device; a parameter's shape or device
+                does not match the config or ``x``; a float16 ``x`` with a
+                ``routed_scaling_factor`` outside float16's range; the expert-parallel
+                ranks disagree on config or dtype; ``comm_num_sm`` leaves the GPU no SMs.
+            RuntimeError: CUDA graph capture of a layer whose exchange is not ``local``,
+                or inside a checkpoint region.
+        """
         c = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -25,8 +25,8 @@ def _entry(rank, world, init_file, fn, args, backend="gloo"):
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Leave at once (GPU ranks too, as when the GPU tests last ran: their teardown over
-    # NCCL has not run on a GPU since it changed).
+    # Leave at once, GPU ranks too: the ranks skip the NCCL teardown (buffer release,
+    # destroy_process_group), as the process exits anyway.
     leave_after_last_collective(tear_down_nccl=False)
 
 

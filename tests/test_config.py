@@ -117,7 +117,7 @@ def test_group_size_mismatch_fails_before_any_collective():
                                         ("1", True), ("yes", True)])
 def test_environment_switches_parse_alike(monkeypatch, value, want):
     """MOE_FN_DEBUG, MOE_FN_AUTOTUNE and MOE_FN_FAST_LAUNCH read off/no/false the same way
-    (MOE_FN_DEBUG=off used to switch the checks on)."""
+    (MOE_FN_DEBUG=off turns the checks off, not on as any non-empty string would)."""
     from moe_fn._checks import env_flag
     if value is None:
         monkeypatch.delenv("MOE_FN_TEST_SWITCH", raising=False)

@@ -1,4 +1,4 @@
-"""Misuse that once crashed or silently misled: each gets a clear error naming the fix."""
+"""Misuse that would crash or silently mislead: each gets a clear error naming the fix."""
 
 from __future__ import annotations
 

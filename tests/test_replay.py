@@ -299,8 +299,8 @@ def _two_layers_one_region(skip, chained, dtype=torch.float32):
 
 
 def test_skip_refuses_chained_moe_layers_in_one_region():
-    """A regression: l1's recomputed NaN sentinel fed l2 and every gradient became NaN with
-    no error. Now refused in the recompute, naming the fix."""
+    """Unchecked, l1's recomputed NaN sentinel would feed l2 and every gradient would become
+    NaN with no error: refused in the recompute, naming the fix."""
     _, region, x = _two_layers_one_region(True, chained=True)
     out = moe_fn.checkpoint(region, x)
     with pytest.raises(SkipContractError, match="Checkpoint one MoE layer per region"):

@@ -2,8 +2,8 @@
 
 ``kernel[grid](...)`` re-derives on every call what Triton compiles a kernel for (each
 argument's type, 16-byte alignment, divisibility by 16, whether an int is 1) through its
-generic binder, then looks the compiled kernel up. On the GPU hosts we measured a kernel
-call cost 30-115 µs of host time, and an eager layer forward's host time (0.7-1.5 ms) is
+generic binder, then looks the compiled kernel up. On the H200 hosts of bench/RESULTS.md
+a kernel call cost 30-115 µs of host time, and an eager layer forward's host time (0.7-1.5 ms) is
 of the order of its kernel time (1.4 ms), so launch cost decides whether the GPU waits.
 ``launch`` keys its own cache on exactly those properties, computed directly, and after
 the first (ordinary, compiling) launch of a specialisation calls the compiled kernel's

@@ -208,7 +208,7 @@ def _act_bwd_kernel(g_ptr, u_ptr, w_ptr, dh_ptr, dg_ptr, du_ptr, dw_ptr, N, I,
 # first-call tuning (one compile per config and key) to seconds. The 128-column tiles serve
 # the interleaved (GPT-OSS) backward with a routing weight, whose pair split, join and
 # per-row reduction ran at 66-75% of copy bandwidth on wider tiles and at 84-85% on these
-# (bench/RESULTS.md, issue 2).
+# (bench/RESULTS.md, activation kernels).
 _CONFIGS = [
     triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=nw)
     for r, c, nw in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (2, 512, 4), (4, 512, 4),

@@ -384,8 +384,8 @@ def test_unreadable_checkpoint_function_is_refused_where_options_need_replay():
                                      "activation_checkpointing_disable"])
 def test_checkpointing_can_be_disabled_quietly(option, disable):
     """HF's disable assigns its bare default checkpoint function (whose mode cannot be read)
-    while the flag is still on: a regression refused it (with the skip) or warned per
-    layer. Disabled, the layers run unchecked: one forward each, no replay."""
+    while the flag is still on: that is neither refused (with the skip) nor warned about
+    per layer. Disabled, the layers run unchecked: one forward each, no replay."""
     import warnings
 
     if not hasattr(transformers.PreTrainedModel, disable):
@@ -405,7 +405,7 @@ def test_checkpointing_can_be_disabled_quietly(option, disable):
 
 def test_a_subclass_of_a_converted_class_copies_as_itself():
     """FSDP2 (and users) subclass the classes made at conversion: copies keep the subclass
-    (a regression rebuilt the made class from a subclass's bases, or failed)."""
+    (not the made class rebuilt from the subclass's bases, nor a failure)."""
     _, conv = _pair("olmoe")
     layer = conv.model.layers[0]
     sub = type("Sub", (type(layer),), {})
@@ -454,8 +454,8 @@ def test_converted_model_pickles_and_loads_in_a_fresh_process(tmp_path):
 def test_unreadable_checkpoint_function_is_refused_before_anything_is_converted(option):
     """Checkpointing already enabled with a function whose mode cannot be read: convert
     refuses the replay-only options before it changes any block, so the model still
-    trains as it was (a regression: it converted the first block, then raised, leaving
-    that layer without its checkpoint function)."""
+    trains as it was (not with its first block converted before the refusal, left without
+    its checkpoint function)."""
     model = make_model("qwen3_moe")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": 1})
     with pytest.raises(ValueError, match="would be ignored"):

@@ -206,7 +206,8 @@ def test_a_parameter_left_to_its_declared_default_is_launched_fast_with_it(fake_
 
 def test_the_router_kernel_launches_fast_without_its_linear_flags():
     """The router kernel's fused-linear constexprs have defaults the plain router launch
-    leaves out; the fast path must still take that launch (a regression: it did not)."""
+    leaves out; the fast path must still take that launch (binding the defaults as Triton
+    does), not send it down Triton's path."""
     import types
 
     from triton.runtime.jit import JITFunction

@@ -1,11 +1,11 @@
 """moe_fn: fast, provably correct Mixture-of-Experts layers for PyTorch."""
 
-from . import functional
+from . import balance, functional
 from ._checks import debug_checks, set_debug_checks
 from .config import MoEConfig
 from .layer import MoELayer
 from .replay import checkpoint
 
-__all__ = ["MoEConfig", "MoELayer", "checkpoint", "debug_checks", "functional",
+__all__ = ["MoEConfig", "MoELayer", "balance", "checkpoint", "debug_checks", "functional",
            "set_debug_checks"]
 __version__ = "0.1.0"

@@ -52,6 +52,6 @@ class BalanceGrad(torch.autograd.Function):
             d_logits = terms_grad(ctx.terms, logits)
             s = ctx.scale.grad_scale
             if d_logits is not None and not (isinstance(s, float) and s == 1.0):
-                d_logits = d_logits * torch.as_tensor(s, device=d_logits.device).to(
-                    d_logits.dtype)
+                d_logits = d_logits * (s.to(d_logits.dtype).to(d_logits.device)
+                                       if isinstance(s, torch.Tensor) else s)
         return d_w, d_logits, None, None

@@ -53,15 +53,20 @@ def topk_counts(probs: torch.Tensor, top_k: int, groups: int = 1) -> torch.Tenso
     idx = sorted_topk(probs, top_k)
     offset = (torch.arange(t, device=probs.device) // max(t // groups, 1)) * e
     flat = (idx + offset[:, None]).reshape(-1)
-    return torch.bincount(flat, minlength=groups * e).reshape(groups, e)
+    # scatter_add into a fixed size: bincount would read the largest index on the host.
+    counts = torch.zeros(groups * e, dtype=torch.int64, device=probs.device)
+    return counts.scatter_add(0, flat, torch.ones_like(flat)).reshape(groups, e)
 
 
 def switch_weights(counts: torch.Tensor, num_tokens, *, top_k: int, num_experts: int,
                    scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     """``(1, E)`` ``W = scale * E c / (k T^2)`` in ``dtype`` for the Switch/GShard loss of
     ``counts (E,)`` over ``num_tokens`` T (an int or a 0-dim tensor; T = 0 gives 0)."""
-    t = torch.as_tensor(num_tokens, device=counts.device).to(dtype).clamp(min=1)
-    return (counts.to(dtype) * (scale * num_experts / top_k) / (t * t)).reshape(1, -1)
+    w = counts.to(dtype) * (scale * num_experts / top_k)
+    if isinstance(num_tokens, torch.Tensor):
+        t = num_tokens.to(dtype).clamp(min=1)
+        return (w / (t * t)).reshape(1, -1)
+    return (w / max(num_tokens, 1) ** 2).reshape(1, -1)
 
 
 def sequence_weights(counts: torch.Tensor, seq_len: int, *, top_k: int, num_experts: int,
@@ -110,7 +115,7 @@ def prob_balance_bwd(res: ProbBalanceRes, d_loss) -> torch.Tensor:
     dp = weights.to(cd).repeat_interleave(t // g if g else 0, dim=0)
     if tw is not None:
         dp = dp * tw.to(cd)[:, None]
-    dp = dp * torch.as_tensor(d_loss, dtype=cd, device=lg.device)
+    dp = dp * _scalar(d_loss, lg)
     if score_func == "sigmoid":
         s = torch.sigmoid(lg)
         denom = s.sum(dim=-1, keepdim=True) + PROB_EPS
@@ -141,8 +146,14 @@ def z_loss_bwd(res: ZLossRes, d_loss) -> torch.Tensor:
     logits = res.logits
     lg = logits.to(compute_dtype(logits.dtype))
     lse = torch.logsumexp(lg, dim=-1, keepdim=True)
-    scale = torch.as_tensor(d_loss, dtype=lg.dtype, device=lg.device) * 2 / max(lg.shape[0], 1)
+    scale = _scalar(d_loss, lg) * (2 / max(lg.shape[0], 1))
     return (torch.softmax(lg, dim=-1) * lse * scale).to(logits.dtype)
+
+
+def _scalar(d, like: torch.Tensor):
+    """A gradient factor as ``like`` multiplies by it: a Python number as is (no copy to
+    the device), a tensor in ``like``'s dtype and device."""
+    return d.to(like.dtype).to(like.device) if isinstance(d, torch.Tensor) else float(d)
 
 
 def bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:

@@ -167,3 +167,25 @@ def test_bias_update_of_converted_models_matches_hf_routing(name):
 
 def _get(module, path):
     return functools.reduce(getattr, path.split("."), module)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_in_layer_losses_of_a_converted_model_read_the_blocks_sequences(name):
+    """Qwen2-MoE's block flattens its tokens before the routed experts: the layer still
+    balances each (batch, sequence) row's tokens as one sequence, and trains the same under
+    reentrant checkpointing as without it."""
+    from tests.pure.test_balance import naive_sequence, naive_switch
+
+    opts = dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
+    ids, labels = batch()
+    plain_model = _model(name, converted=True, **opts)
+    out, plain = _step(plain_model, ids, labels)
+    _, got = _step(_model(name, converted=True, reentrant=True, **opts), ids, labels)
+    for n in plain:
+        torch.testing.assert_close(got[n], plain[n], msg=f"{name} {n}")
+    for (_, b), logits in zip(converted_blocks(plain_model), out.router_logits):
+        losses = b.moe_layer.balance_losses
+        k = b.moe_layer.config.top_k
+        torch.testing.assert_close(losses.sequence, naive_sequence(logits.detach(), k,
+                                                                   "softmax", ids.shape[1]))
+        torch.testing.assert_close(losses.switch, naive_switch(logits.detach(), k, "softmax"))

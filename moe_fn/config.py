@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import attrs
@@ -13,6 +14,7 @@ from .pure.router import router_validate
 
 SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
+BALANCE_SCOPES = ("micro_batch", "group")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
 ALL_TO_ALL_TRANSPORTS = ("collective", "registered", "symm_mem", "copy_engine")
@@ -73,6 +75,9 @@ class MoEConfig:
     ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its activations from the
     forward and is not recomputed, trading the memory of an unchecked MoE layer for its
     second forward).
+    Load balancing (all off by default; each field's ``metadata["doc"]`` says what it is,
+    docs/load_balancing.md how to use it): ``aux_loss_coef``, ``aux_loss_scope``,
+    ``seq_aux_loss_coef``, ``z_loss_coef``.
     """
 
     hidden_size: int
@@ -104,6 +109,20 @@ class MoEConfig:
     recompute_in_checkpoint: bool = True
     all_to_all_dedup: bool = False
     all_to_all_transport: str = "collective"
+    # Load balancing (docs/load_balancing.md): losses on the router logits whose gradient
+    # the layer adds in its own backward; every coefficient 0 (off) by default.
+    aux_loss_coef: float = attrs.field(default=0.0, metadata={"doc": (
+        "Switch/GShard loss E * sum_e f_e * P_e (Megatron-Core's normalisation: f_e = "
+        "c_e / (k T), the share of the top-k counts, P_e the mean router probability; 1 "
+        "when balanced)")})
+    aux_loss_scope: str = attrs.field(default="micro_batch", metadata={"doc": (
+        "whose counts f_e (and T) are: 'micro_batch' (this call's tokens) or 'group' (the "
+        "whole batch of MoELayer's balance_group, one all-reduce of E counts per call)")})
+    seq_aux_loss_coef: float = attrs.field(default=0.0, metadata={"doc": (
+        "sequence-level loss (DeepSeek-V2/V3): the Switch loss of each sequence, averaged "
+        "over the sequences ((B, S, H): B sequences; (T, H): one, or T/seq_len)")})
+    z_loss_coef: float = attrs.field(default=0.0, metadata={"doc": (
+        "router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2")})
 
     def __attrs_post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
@@ -132,6 +151,7 @@ class MoEConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_exchange()
+        self._check_balance()
         self._check_weighting()
         self._check_overlap()
         if self.skip_recompute_combine and not self.recompute_in_checkpoint:
@@ -195,6 +215,19 @@ class MoEConfig:
                     f"{self.num_experts // self.ep_size} ({self.num_experts} over ep_size="
                     f"{self.ep_size}): raise ep_size (up to {max(DEEPEP_INTRANODE_SIZES)}) or "
                     "use comm_backend='all_to_all'")
+
+    def _check_balance(self):
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (0 leaves the loss "
+                                 f"off), got {v!r}")
+        _one_of("aux_loss_scope", self.aux_loss_scope, BALANCE_SCOPES)
+        if self.aux_loss_scope == "group" and not self.aux_loss_coef:
+            raise ValueError("aux_loss_scope='group' counts the Switch loss's experts over a "
+                             "process group, but aux_loss_coef=0 leaves that loss off: set "
+                             "aux_loss_coef > 0, or leave aux_loss_scope='micro_batch'")
 
     def _check_weighting(self):
         if self.expert_bias and self.score_apply != "post":

@@ -11,10 +11,12 @@ from torch import nn
 
 from . import functional, kernels
 from ._checks import FLOAT_DTYPES, debug_checks
+from .autograd.balance import BalanceGrad
 from .autograd.experts import Experts
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
+from .balance import BalanceLosses, LayerBalance
 from .comm import base as comm_base
 from .comm.base import Exchange
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
@@ -150,7 +152,8 @@ class MoELayer(nn.Module):
     # Within a forward under torch.autocast: the dtype the layer computes in.
     _autocast_to: torch.dtype | None = None
 
-    def __init__(self, config: MoEConfig, process_group=None, *, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, process_group=None, *, balance_group=None,
+                 device=None, dtype=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -162,6 +165,9 @@ class MoELayer(nn.Module):
                             "keyword arguments: MoELayer(config, device=..., dtype=...))")
         self.config = config
         self.process_group = process_group
+        # The load-balancing losses' state and, with aux_loss_scope="group", the group
+        # whose whole batch their counts cover.
+        self.balance = LayerBalance(config, _balance_group(config, balance_group))
         self.exchange = make_exchange(config, process_group)
         self.router = MoERouter(config, device=device, dtype=dtype)
         self.experts = MoEExperts(config, device=device, dtype=dtype)
@@ -182,6 +188,26 @@ class MoELayer(nn.Module):
     @property
     def ep_rank(self) -> int:
         return self.exchange.rank
+
+    @property
+    def balance_loss(self) -> torch.Tensor | None:
+        """The config's balancing losses times their coefficients, summed, in the last
+        forward that trained (a detached 0-dim tensor, float32; float64 for a float64
+        layer; None before one, or with every coefficient 0). Their gradient is added in
+        the layer's backward: do not add this to the loss."""
+        return self.balance.loss
+
+    @property
+    def balance_losses(self) -> BalanceLosses | None:
+        """Each balancing loss of that forward, without its coefficient."""
+        return self.balance.losses
+
+    def extra_balance_terms(self) -> tuple:
+        """Further balancing terms for this call (objects with ``grad(logits) ->
+        d_logits``), whose gradient the layer adds in its backward as its own losses':
+        none here (``moe_fn.hf``'s layer adds transformers' loss under reentrant
+        checkpointing)."""
+        return ()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -418,12 +444,25 @@ class MoELayer(nn.Module):
             or (c.combine_impl == "fused" and ex.folds_row_weights_exactly))
         return home_w, fold_w
 
-    def _forward_routed(self, x2, region):
+    def _forward_routed(self, x2, region, seq_len=None):
         """Route, dispatch, experts, combine: ``(out (T, H), logits (T, E))``. In a
         checkpoint region the forward records its route and the recompute replays it."""
         c = self.config
         entry = region.consume(self) if region is not None and region.replaying else None
         logits, idx, w = self.route(x2, None if entry is None else entry.plan.topk_idx)
+        # A forward that trains: autograd on, or a checkpoint's first forward called with
+        # it (a reentrant one runs without); never a recompute (entry given).
+        trains = entry is None and (torch.is_grad_enabled()
+                                    or (region is not None and region.grad_at_call))
+        if entry is not None:
+            terms = entry.balance
+        elif trains:
+            terms = self.balance.terms(logits, seq_len or x2.shape[0],
+                                       self.extra_balance_terms())
+        else:
+            terms = None
+        if terms is not None and torch.is_grad_enabled():
+            w = BalanceGrad.apply(w, logits, terms, self.balance)
         overlap = ()
         slot = None
         weights = self.expert_weights()
@@ -455,8 +494,10 @@ class MoELayer(nn.Module):
             plan = make_route_plan(idx, c.num_experts)
             rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange,
                                                  self.exchange.layout(plan), False, *overlap)
+            if trains:
+                self.balance.count(plan.counts)
             if region is not None:
-                region.record(self, plan, handle)
+                region.record(self, plan, handle, balance=terms)
         else:
             rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, entry.handle, True,
                                                  *overlap)
@@ -477,7 +518,7 @@ class MoELayer(nn.Module):
             watch.trust_layer((out, logits), x2)
         return out, logits
 
-    def _forward_kept(self, x2, region):
+    def _forward_kept(self, x2, region, seq_len=None):
         """``recompute_in_checkpoint=False`` inside a checkpoint region: the forward keeps
         the layer's activations and the recompute returns its outputs without running it."""
         if region.replaying:
@@ -498,20 +539,20 @@ class MoELayer(nn.Module):
         if not region.grad_at_call:
             # Called without autograd (no_grad, inference_mode): no backward, so nothing to
             # keep for it; the plain forward.
-            return self._forward_routed(x2, None)
+            return self._forward_routed(x2, None, seq_len)
         if region.reentrant:
             # The forward runs without autograd: build the layer's graph from a leaf copy of
             # its input, which the recompute's backward runs. The leaf always requires grad:
             # whether the input will is only known in the recompute.
             with torch.enable_grad():
                 x_leaf = x2.detach().requires_grad_()
-                out, logits = self._forward_routed(x_leaf, None)
+                out, logits = self._forward_routed(x_leaf, None, seq_len)
             region.record(self, kept=KeptActivations(x_leaf=x_leaf, out=out, logits=logits))
             return out.detach(), logits.detach()
         # Non-reentrant: the checkpoint's hooks would discard what autograd saves inside
         # the layer; identity hooks keep it.
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            out, logits = self._forward_routed(x2, None)
+            out, logits = self._forward_routed(x2, None, seq_len)
         kept = KeptActivations(x_leaf=None, out=out.detach().requires_grad_(out.requires_grad),
                                logits=logits.detach().requires_grad_(logits.requires_grad))
         region.record(self, kept=kept)
@@ -522,7 +563,8 @@ class MoELayer(nn.Module):
     # regions are not traceable, and its hot paths are fused Triton kernels already.
     @torch.compiler.disable(reason="moe_fn.MoELayer runs eagerly under torch.compile (a graph "
                             "break at its call): compile without fullgraph=True")
-    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+    def forward(self, x: torch.Tensor, return_router_logits: bool = False, *,
+                seq_len: int | None = None):
         """Route each token of ``x`` to its ``top_k`` experts and return the weighted sum
         of their outputs.
 
@@ -532,6 +574,10 @@ class MoELayer(nn.Module):
                 token dimension: ``T`` is their product. Under ``torch.autocast`` a float32
                 layer computes in autocast's dtype (``x`` float32 or already in it).
             return_router_logits: also return the router's logits.
+            seq_len: only with ``seq_aux_loss_coef``: for a ``(T, H)`` input, the tokens
+                are ``T / seq_len`` consecutive sequences (a flattened batch-first
+                ``(B, S, H)``); without it they are one sequence. An input of three or more
+                dimensions ``(..., S, H)`` holds sequences of ``S`` tokens.
 
         Returns:
             ``out``, with ``x``'s shape and dtype (autocast's dtype under autocast); with
@@ -569,6 +615,7 @@ class MoELayer(nn.Module):
                              f"{tuple(x.shape)}")
         if x.is_meta:
             raise ValueError(_META_DEVICE)
+        seq_len = _sequence_length(x, seq_len, c)
         amp = _autocast_dtype(x)
         self._check_parameters(x, amp)
         if amp is not None:
@@ -578,12 +625,12 @@ class MoELayer(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 self._autocast_to = amp
                 try:
-                    return self._forward(x.to(amp), return_router_logits)
+                    return self._forward(x.to(amp), return_router_logits, seq_len)
                 finally:
                     self._autocast_to = None
-        return self._forward(x, return_router_logits)
+        return self._forward(x, return_router_logits, seq_len)
 
-    def _forward(self, x: torch.Tensor, return_router_logits: bool):
+    def _forward(self, x: torch.Tensor, return_router_logits: bool, seq_len=None):
         c = self.config
         if x.dtype == torch.float16:
             _check_float16_scale(c.routed_scaling_factor)
@@ -598,15 +645,66 @@ class MoELayer(nn.Module):
                 check_comm_num_sm(c.comm_num_sm, comm_base.sm_count(x.device))
             self._check_ranks_agree(x)
         if region is not None and not c.recompute_in_checkpoint:
-            out, logits = self._forward_kept(x2, region)
+            out, logits = self._forward_kept(x2, region, seq_len)
         else:
-            out, logits = self._forward_routed(x2, region)
+            out, logits = self._forward_routed(x2, region, seq_len)
         out = out.reshape(shape)
         return (out, logits) if return_router_logits else out
 
 
 def _keep(t):
     return t
+
+
+def _balance_group(config: MoEConfig, group):
+    """The group ``aux_loss_scope="group"`` counts over (default the world group), checked
+    against the config: a group the config would not use is refused, not ignored."""
+    if config.aux_loss_scope != "group":
+        if group is not None:
+            raise ValueError(f"balance_group is the group aux_loss_scope='group' counts the "
+                             f"Switch loss's experts over; this config's aux_loss_scope is "
+                             f"{config.aux_loss_scope!r}: pass no balance_group, or set "
+                             "aux_loss_scope='group' (with aux_loss_coef > 0)")
+        return None
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"balance_group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("aux_loss_scope='group' all-reduces the expert counts over a "
+                             "process group: initialise torch.distributed (the world group "
+                             "is the default) or pass balance_group=..., or use "
+                             "aux_loss_scope='micro_batch'")
+        group = dist.group.WORLD
+    return group
+
+
+def _sequence_length(x: torch.Tensor, seq_len, config: MoEConfig) -> int | None:
+    """The sequence length the sequence-level loss reads ``x``'s tokens by (None without
+    that loss); a ``seq_len`` that would be ignored or does not fit ``x`` is refused."""
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        if not config.seq_aux_loss_coef:
+            raise ValueError("seq_len says where the sequences of a (T, H) input end, for the "
+                             "sequence-level balancing loss; this config has "
+                             "seq_aux_loss_coef=0: pass no seq_len, or set seq_aux_loss_coef")
+    if not config.seq_aux_loss_coef:
+        return None
+    if x.dim() >= 3:
+        if seq_len is not None and seq_len != x.shape[-2]:
+            raise ValueError(f"seq_len={seq_len} but x of shape {tuple(x.shape)} holds "
+                             f"sequences of {x.shape[-2]} tokens (its dimension -2): pass "
+                             "no seq_len for such an input")
+        return x.shape[-2]
+    tokens = x.shape[0] if x.dim() == 2 else 1
+    if seq_len is None:
+        return max(tokens, 1)
+    if tokens % seq_len:
+        raise ValueError(f"seq_len={seq_len} does not divide the {tokens} tokens of x "
+                         f"(shape {tuple(x.shape)}): a (T, H) input holds T / seq_len "
+                         "whole sequences")
+    return seq_len
 
 
 def _cast(t, dtype):

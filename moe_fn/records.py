@@ -177,3 +177,24 @@ class PeerRowsHandle:
     num_rows: int
     max_tokens: int
     max_rows: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class BalanceTerms:
+    """What a layer's balancing losses fixed in its forward, which their gradient (and a
+    checkpoint's recompute) reuses: never counted or all-reduced again.
+
+    ``score_func``: the router's, which picks the probabilities the losses balance.
+    ``switch`` / ``sequence``: ``(coefficient, W)`` of the Switch/GShard loss (``W (1, E)``
+    float32, from the counts of the whole scope) and of the sequence-level loss (``W (B,
+    E)``, one row per sequence), or None where off (see ``moe_fn.pure.balance``).
+    ``z``: the z-loss's coefficient (0: off).
+    ``extra``: further terms (``moe_fn.hf``: transformers' own loss), each with
+    ``grad(logits) -> d_logits``, evaluated in the backward.
+    """
+
+    score_func: str
+    switch: tuple | None = None
+    sequence: tuple | None = None
+    z: float = 0.0
+    extra: tuple = ()

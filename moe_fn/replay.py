@@ -44,6 +44,8 @@ class ReplayEntry:
     ``plan``: the RoutePlan. ``handle``: the exchange handle the dispatch returned.
     ``kept``: instead of those, a layer with ``recompute_in_checkpoint=False`` records its
     ``KeptActivations``, which the recompute returns instead of running the layer.
+    ``balance``: the ``BalanceTerms`` of the forward's balancing losses (their counts,
+    all-reduced once), which the recompute reuses; None without such losses.
     """
 
     layer_id: int
@@ -51,6 +53,7 @@ class ReplayEntry:
     plan: object = None
     handle: object = None
     kept: object = None
+    balance: object = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -86,10 +89,10 @@ class ReplayRegion:
     def replaying(self) -> bool:
         return self.runs > 1
 
-    def record(self, layer, plan=None, handle=None, *, kept=None) -> None:
+    def record(self, layer, plan=None, handle=None, *, kept=None, balance=None) -> None:
         self.entries.append(ReplayEntry(layer_id=id(layer), region=self.serial,
                                         plan=plan, handle=handle,
-                                        kept=kept))
+                                        kept=kept, balance=balance))
 
     def consume(self, layer) -> ReplayEntry:
         if self.cursor >= len(self.entries):

@@ -30,6 +30,7 @@ How a block is converted (no copies, nothing re-registered):
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -40,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MoEConfig, _positive_int
-from ..layer import MoELayer, _refuse_nonfinite_bias_hook
+from ..layer import MoELayer, _balance_group, _refuse_nonfinite_bias_hook
 from ..pure.router import sorted_topk
-from ..replay import wrap_checkpoint
+from ..replay import current_region, wrap_checkpoint
+from .aux_loss import AuxLossHooks, AuxLossTerm, computes_hf_aux_loss
 from .presets import MODEL_TYPES, PRESETS, Preset
 
 __all__ = ["convert", "converted_blocks", "gather_expert_state_dict"]
@@ -161,6 +163,10 @@ class HFMoELayer(MoELayer):
     # route computes, and the route weighs those experts as it weighs a replayed route.
     choose_on_logits: bool = False
 
+    def extra_balance_terms(self) -> tuple:
+        # transformers' own loss under a reentrant checkpoint, set by the block per call.
+        return self.__dict__.get("_moe_fn_terms", ())
+
     def route(self, x2: torch.Tensor, replay_idx=None):
         x2 = x2.to(self.router_input_dtype(x2.dtype))
         if self.choose_on_logits and replay_idx is None:
@@ -202,8 +208,28 @@ class ConvertedBlock:
     def moe_preset(self) -> Preset:
         return self.__dict__["_moe_fn_preset"]
 
-    def _moe_fn_routed(self, x: torch.Tensor, return_router_logits: bool = False):
-        out, logits = self.moe_layer(x, return_router_logits=True)
+    def _moe_fn_routed(self, x: torch.Tensor, return_router_logits: bool = False, *,
+                       seq_len=None):
+        layer = self.moe_layer
+        hooks = self.__dict__.get("_moe_fn_aux")
+        aux = None if hooks is None else hooks.current
+        region = current_region()
+        fresh = region is None or not region.replaying
+        # Inside a reentrant checkpoint the logits transformers captures carry no gradient:
+        # the layer adds its loss's gradient itself (moe_fn.hf.aux_loss).
+        inject = aux is not None and fresh and region is not None and region.reentrant
+        if aux is not None and fresh:
+            hooks.check_layer(layer.config)
+        layer.__dict__["_moe_fn_terms"] = (AuxLossTerm(aux),) if inject else ()
+        try:
+            out, logits = layer(x, return_router_logits=True, seq_len=seq_len)
+        finally:
+            layer.__dict__["_moe_fn_terms"] = ()
+        if aux is not None and fresh:
+            if inject and logits.requires_grad:
+                raise RuntimeError("a reentrant checkpoint's forward produced router logits "
+                                   "with autograd: transformers' loss would train twice")
+            aux.add(logits)
         # HF's router returns (router_logits, top-k weights, top-k indices), Llama-4's
         # (scores, logits): output capture records the logits (the preset's router_output
         # places them). The weights and indices live inside the MoELayer.
@@ -226,7 +252,11 @@ class ConvertedBlock:
         return (out, logits) if return_router_logits else out
 
     def forward(self, hidden_states, *args, **kwargs):
-        return self.moe_preset.forward(self, hidden_states, self._moe_fn_routed)
+        routed = self._moe_fn_routed
+        if self.moe_layer.config.seq_aux_loss_coef and hidden_states.dim() == 3:
+            # The preset may flatten the tokens: the layer's sequences are the block's.
+            routed = functools.partial(routed, seq_len=hidden_states.shape[1])
+        return self.moe_preset.forward(self, hidden_states, routed)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -321,16 +351,20 @@ class _ReplayCheckpointLayer:
 
 
 def _warn_untrained_aux_loss(decoder_layer) -> None:
+    # Blocks holding the model's hooks train transformers' loss themselves.
     coefs = {m.__dict__.get("_moe_fn_aux_loss_coef") for m in decoder_layer.modules()
-             if isinstance(m, ConvertedBlock)}
+             if isinstance(m, ConvertedBlock) and m.__dict__.get("_moe_fn_aux") is None}
     coefs = sorted(c for c in coefs if c)
     if coefs:
         warnings.warn(
             f"transformers' load-balancing loss (router_aux_loss_coef={coefs[0]}) does not "
             "train the routers under reentrant gradient checkpointing: it is computed from "
             "router logits recorded in the checkpoint's forward, which runs without autograd, "
-            "so the loss has no gradient (transformers' own model behaves the same). "
-            "Checkpoint non-reentrantly (use_reentrant=False) for it to train", stacklevel=4)
+            "so the loss has no gradient (transformers' own model behaves the same). moe_fn "
+            "trains it itself when convert() is given the model whose forward computes that "
+            "loss and converts every MoE block of it. Otherwise checkpoint non-reentrantly "
+            "(use_reentrant=False), or balance with the in-layer loss (convert(..., "
+            "aux_loss_coef=...), which trains in every checkpoint mode)", stacklevel=4)
 
 
 def _replay_needs(settings) -> list[str]:
@@ -497,11 +531,12 @@ def _block_config(name, block, preset: Preset, text_config, ep_size, options) ->
 
 
 def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_size,
-                   aux_loss_coef: float = 0.0):
+                   aux_loss_coef: float = 0.0, balance_group=None, aux_hooks=None):
     experts = getattr(block, preset.experts_attr)
     router = getattr(block, preset.router_attr)
     gate_up = _ExpertsView(block, preset).gate_up_proj
-    layer = HFMoELayer(config, process_group, device="meta", dtype=gate_up.dtype)
+    layer = HFMoELayer(config, process_group, balance_group=balance_group, device="meta",
+                       dtype=gate_up.dtype)
     layer.router_dtype = preset.router_dtype
     layer.choose_on_logits = preset.choose_on_logits
     layer.router = _RouterView(block, preset, config.router_bias)
@@ -517,6 +552,7 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
     block.__dict__["_moe_fn_layer"] = layer
     block.__dict__["_moe_fn_preset"] = preset
     block.__dict__["_moe_fn_aux_loss_coef"] = aux_loss_coef
+    block.__dict__["_moe_fn_aux"] = aux_hooks
     if preset.bias_attr is not None:
         block.register_load_state_dict_pre_hook(_refuse_nonfinite_bias_hook(preset.bias_attr))
     router.__class__ = _subclass(_RecordingRouter, type(router))
@@ -524,7 +560,8 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
 
 
 def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: str | None = None,
-            moe_layer_pattern: str | None = None, **options) -> nn.Module:
+            moe_layer_pattern: str | None = None, balance_group=None,
+            **options) -> nn.Module:
     """Convert every sparse MoE block of a Hugging Face model in place; returns ``model``.
 
     preset: a name in ``moe_fn.hf.PRESETS``; default from ``model.config.model_type``.
@@ -533,12 +570,19 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     ep_size / process_group: expert parallelism over a group of ``ep_size`` ranks (default
     the world group); each rank keeps its slice of the experts, and ``comm_backend``
     defaults to "all_to_all" (``"local"`` for ep_size 1).
+    balance_group: with ``aux_loss_scope="group"``, the group whose whole batch the
+    in-layer Switch loss counts (MoELayer's ``balance_group``; default the world group).
+    transformers' own load-balancing loss (``output_router_logits`` with
+    ``router_aux_loss_coef``) trains as in the unconverted model without checkpointing,
+    reentrant HF checkpointing included, when ``model`` is the model whose forward computes
+    it and every MoE block is converted (``moe_fn.hf.aux_loss``).
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
     gate_up_impl, score_apply ("post" or "activation"; "pre" is refused; Llama-4's is
     "pre", set by its preset, and refused as an option),
     row_weighting_impl, combine_impl, comm_backend, comm_num_sm, all_to_all_dedup,
     all_to_all_transport, overlap_weight_grad, skip_recompute_combine,
-    recompute_in_checkpoint.
+    recompute_in_checkpoint, and the in-layer balancing losses (aux_loss_coef,
+    aux_loss_scope, seq_aux_loss_coef, z_loss_coef; docs/load_balancing.md).
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, a
     block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or
@@ -562,11 +606,25 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     # Every block's config first: a refusal leaves the model whole.
     configs = [_block_config(name, block, p, text_config, ep_size, options)
                for name, block in blocks]
-    # HF adds its load-balancing loss when the config asks for router logits.
+    # HF adds its load-balancing loss when the config asks for router logits (in the
+    # families that have one: DeepSeek's and GLM's configs carry a coefficient no model
+    # of theirs reads).
+    has_loss = hasattr(p.modeling(), "load_balancing_loss_func")
     aux_coef = (getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
-                if getattr(text_config, "output_router_logits", False) else 0.0)
+                if has_loss and getattr(text_config, "output_router_logits", False) else 0.0)
+    _balance_group(configs[0], balance_group)  # refused before anything is converted
+    # Hooks that train transformers' loss under reentrant checkpointing: only where the
+    # model's forward computes it and no MoE block is left out (its router's logits would
+    # enter the counts, but its gradient could not be added).
+    aux_hooks = None
+    every_block = len(blocks) == len(_find_blocks(model, p.cls("block"), None))
+    if computes_hf_aux_loss(model) and every_block:
+        aux_hooks = AuxLossHooks()
+        model.register_forward_pre_hook(aux_hooks.pre_hook, with_kwargs=True)
+        model.register_forward_hook(aux_hooks.post_hook, always_call=True)
     for (name, block), config in zip(blocks, configs):
-        _convert_block(block, p, config, process_group, ep_size, aux_coef)
+        _convert_block(block, p, config, process_group, ep_size, aux_coef, balance_group,
+                       aux_hooks)
         _enable_replay(model, name)
     return model
 

@@ -27,12 +27,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable:
 
 
 def _pair(name, ckpt=False, **options):
+    """The unconverted model, unchecked (its gradients are what a checkpoint must
+    reproduce: transformers' own reentrant checkpointing loses its load-balancing loss's),
+    and a converted copy, under HF's reentrant checkpointing with ``ckpt``."""
     ref = make_model(name)
     conv = convert(copy.deepcopy(ref), **options)
     for m in (ref, conv):
         m.train()
-        if ckpt:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if ckpt:
+        conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     return ref, conv
 
 
@@ -335,7 +338,7 @@ def test_checkpointing_enabled_before_convert(kwargs):
     conv = copy.deepcopy(ref)
     for m in (ref, conv):
         m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     convert(conv)
     _assert_matches_hf(conv, ref, "olmoe")
     for _, b in converted_blocks(conv):

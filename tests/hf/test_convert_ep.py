@@ -20,11 +20,11 @@ def _check_preset(rank, world, name, ckpt, **options):
     conv = convert(copy.deepcopy(ref), ep_size=world, **options)
     for m in (ref, conv):
         m.train()
-        if ckpt:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                m.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": True})
+    if ckpt:  # against the unchecked model: its load-balancing loss trains too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            conv.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": True})
     blocks = converted_blocks(conv)
     assert blocks
     for _, b in blocks:

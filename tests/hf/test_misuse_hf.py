@@ -101,25 +101,45 @@ def _enable_reentrant(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
-def test_reentrant_checkpointing_warns_that_hf_aux_loss_cannot_train():
+def _aux_model():
     model = make_model("qwen3_moe")
     model.config.output_router_logits = True
     model.config.router_aux_loss_coef = 0.02
-    conv = convert(model)
-    with pytest.warns(UserWarning, match="router_aux_loss_coef=0.02.*does not train"):
-        _enable_reentrant(conv)
+    return model
+
+
+@pytest.mark.parametrize("where", ["inner model", "some blocks"])
+def test_reentrant_checkpointing_warns_where_hf_aux_loss_cannot_train(where):
+    """Converting the inner model (whose forward does not compute transformers' loss) or
+    leaving MoE blocks unconverted: under reentrant checkpointing that loss trains nothing,
+    as in transformers, and enabling it says so, pointing to the in-layer loss."""
+    model = _aux_model()
+    if where == "inner model":
+        convert(model.model)
+    else:
+        convert(model, moe_layer_pattern=r"model\.layers\.0\.mlp")
+    with pytest.warns(UserWarning, match="router_aux_loss_coef=0.02.*does not train.*"
+                                         "in-layer loss"):
+        _enable_reentrant(model)
     # Its reason holds: the aux loss has no gradient there (as in transformers).
-    out = conv(input_ids=batch()[0], output_router_logits=True)
+    out = model(input_ids=batch()[0], output_router_logits=True)
     assert out.aux_loss.grad_fn is None
 
 
-def test_reentrant_checkpointing_enabled_before_convert_also_warns():
-    model = make_model("qwen3_moe")
-    model.config.output_router_logits = True
-    model.config.router_aux_loss_coef = 0.02
+def test_reentrant_checkpointing_enabled_before_a_partial_convert_also_warns():
+    model = _aux_model()
     _enable_reentrant(model)
     with pytest.warns(UserWarning, match="does not train the routers"):
-        convert(model)
+        convert(model, moe_layer_pattern=r"model\.layers\.1\.mlp")
+
+
+def test_a_fully_converted_model_trains_hf_aux_loss_without_a_warning():
+    """The converted model computes transformers' loss's gradient itself (tests/hf/
+    test_aux_loss.py checks its value): enabling reentrant checkpointing is quiet."""
+    model = convert(_aux_model())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*does not train the routers")
+        _enable_reentrant(model)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

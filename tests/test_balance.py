@@ -14,10 +14,11 @@ from attrs import evolve
 import moe_fn
 import moe_fn.balance as balance
 from moe_fn import MoEConfig, MoELayer
+from moe_fn.testing import MoEParams, reference_moe
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
+from tests.ep_cases import randomize as _randomize
 from tests.pure.test_balance import naive_sequence, naive_switch, naive_z
-from tests.test_layer import _randomize, naive_moe
 
 H, I = 8, 6
 COEFS = dict(aux_loss_coef=0.3, seq_aux_loss_coef=0.2, z_loss_coef=0.05)
@@ -40,7 +41,8 @@ def naive_objective(x2, params, cfg, g, seq_len, *, choice_bias=None, ranks=None
     (the sequence-level and z-losses are each rank's own; the Switch loss with
     aux_loss_scope="group" is the whole batch's, times the group's size)."""
     w, gu, dn, rb = params
-    out, logits = naive_moe(x2, w, gu, dn, cfg, choice_bias, rb)
+    ref = reference_moe(x2, MoEParams(w, gu, dn, rb, choice_bias), cfg)
+    out, logits = ref.out, ref.logits
     total = (out * g).sum()
     probs = "sigmoid" if cfg.score_func == "sigmoid" else "softmax"
     ranks = ranks or [x2.shape[0]]

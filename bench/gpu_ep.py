@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import json
@@ -82,9 +81,8 @@ def backends(have_deepep):
     # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
     # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
     # "all_to_all_ce": the collective's rows pulled by copy engines (all_to_all_transport=
-    # "copy_engine"); "all_to_all_reg": the collective over NCCL-registered buffers
-    # (all_to_all_transport="registered").
-    names = (["all_to_all", "all_to_all_reg", "all_to_all_ce", "all_to_all_symm",
+    # "copy_engine").
+    names = (["all_to_all", "all_to_all_ce", "all_to_all_symm",
               "all_to_all_symm_rowwise", "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
@@ -113,8 +111,6 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
         backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
     if backend == "all_to_all_ce":
         backend, extra["all_to_all_transport"] = "all_to_all", "copy_engine"
-    if backend == "all_to_all_reg":
-        backend, extra["all_to_all_transport"] = "all_to_all", "registered"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
     if backend == "all_to_all_dedup":
@@ -270,13 +266,9 @@ def layer_bench(have_deepep, results, tokens, reps):
             rem_send, rem_recv = list(full_send), list(full_recv)
             rem_send[RANK] = rem_recv[RANK] = 0
             raws = [("raw_remote", rem_send, rem_recv), ("raw_all", full_send, full_recv)]
-            if backend == "all_to_all_reg":  # raw over registered buffers too
-                raws.append(("raw_remote_registered", rem_send, rem_recv))
             for name, ss, rs in raws:
-                with (ex._comm_memory(x.device) if name.endswith("registered")
-                      else contextlib.nullcontext()):
-                    send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
-                    recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
+                send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
+                recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
 
                 def raw():
                     dist.all_to_all_single(recv, send, list(rs), list(ss))
@@ -687,7 +679,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
-                    help="comma-separated subset of all_to_all, all_to_all_reg, all_to_all_ce, "
+                    help="comma-separated subset of all_to_all, all_to_all_ce, "
                          "all_to_all_symm, all_to_all_symm_rowwise, all_to_all_dedup, "
                          "deepep")
     a = ap.parse_args()

@@ -15,7 +15,7 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
-ALL_TO_ALL_TRANSPORTS = ("collective", "registered", "symm_mem", "copy_engine")
+ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem", "copy_engine")
 # The transports that read peers' memory over NVLink (GPUs of one host).
 PEER_TRANSPORTS = ("symm_mem", "copy_engine")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
@@ -60,13 +60,7 @@ class MoEConfig:
     ranks of one host; on CPUs a gathering stand-in runs the same logic;
     ``"copy_engine"`` moves the collective's rows, but each receiver pulls them from its
     peers' symmetric memory with copies the GPU's copy engines run, taking no SMs from
-    what runs beside them; same hosts and stand-in; ``"registered"`` is the collective with
-    the rows it hands NCCL allocated in a memory pool registered with the group's NCCL
-    communicator (user-buffer registration: NCCL moves them buffer to buffer, without its
-    staging copies; the pool holds the moves' buffers, the rows a weighted combine keeps
-    for its backward among them, see ``moe_fn.comm.nccl_pool``;
-    ``release_registered_buffers()`` there, before ``destroy_process_group``, frees it);
-    with CPU tensors over gloo it is the collective).
+    what runs beside them; same hosts and stand-in).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
@@ -124,6 +118,10 @@ class MoEConfig:
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
+        if self.all_to_all_transport == "registered":
+            raise ValueError("all_to_all_transport='registered' was removed (about 1% of a step "
+                             "for a teardown hazard, docs/exchanges.md): use "
+                             "all_to_all_transport='collective'")
         _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",

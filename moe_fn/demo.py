@@ -193,7 +193,7 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 # --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("registered", "symm_mem", "copy_engine")
+TRANSPORTS = ("symm_mem", "copy_engine")
 
 
 def options_on(ep: int, comm: str) -> dict:

@@ -73,8 +73,7 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
                                 num_sms=config.comm_num_sm)
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
-                                fused_combine=config.combine_impl == "fused",
-                                register_buffers=config.all_to_all_transport == "registered")
+                                fused_combine=config.combine_impl == "fused")
     from .comm.deepep import DeepEPExchange
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
                           hidden_size=config.hidden_size, num_sms=config.comm_num_sm)

@@ -39,6 +39,8 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
      "use combine_impl='eager' with it"),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=1), "all_to_all_dedup must"),
     (dict(all_to_all_transport="nvlink"), "all_to_all_transport"),
+    (dict(all_to_all_transport="registered"),
+     "'registered' was removed.*use all_to_all_transport='collective'"),
     (dict(all_to_all_transport="symm_mem"), "leave it 'collective'"),
     (dict(all_to_all_transport="copy_engine"), "leave it 'collective'"),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="copy_engine",
@@ -168,7 +170,6 @@ def test_only_what_takes_sms_reads_comm_num_sm():
     assert not takes_comm_sms(MoEConfig(**BASE))
     assert not takes_comm_sms(MoEConfig(**ep))
     assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="copy_engine"))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="registered"))
     assert not takes_comm_sms(MoEConfig(**ep, all_to_all_dedup=True))
     assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from .. import kernels
 from ..pure.dispatch import row_bytes
 from ..pure.row_weight import RowWeightRes
-from .nccl_pool import registered_memory
 
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
                 "dispatch_backward", "combine_backward")
@@ -180,21 +179,6 @@ class AllToAllTransport:
     exchanges (collective and ``symm_mem``) also gather every rank's counts here."""
 
     backend = "all_to_all"
-    # all_to_all_transport="registered": the rows this transport writes for NCCL (sent
-    # rows and their receive buffers) are allocated in memory registered with the group's
-    # communicator (``nccl_pool``). NCCL needs every rank to pass registered buffers in a
-    # call or none: every rank allocates a move's buffers the same way. Tensors others hand
-    # it (the token-once exchange's) stay unregistered.
-    register_buffers = False
-
-    def _comm_memory(self, device: torch.device):
-        """The context in which to allocate a tensor NCCL will move (the registered pool,
-        or nothing to do). Not while a CUDA graph is captured: its allocations belong to
-        the graph's own pool."""
-        if (not self.register_buffers or device.type != "cuda"
-                or torch.cuda.is_current_stream_capturing()):
-            return contextlib.nullcontext()
-        return registered_memory(self.group, device)
 
     @staticmethod
     def _group_size_and_rank(group) -> tuple[int, int]:
@@ -214,11 +198,8 @@ class AllToAllTransport:
                   pulls=None, in_parts=False):
         n = sum(recv_splits)
         if isinstance(rows, SendRows):
-            # Rows this exchange writes for the collective, and the buffer they arrive in,
-            # go to registered memory.
-            with self._comm_memory(rows.device):
-                send = rows.empty()
-                buf = send.new_empty((n + room, rows.width))
+            send = rows.empty()
+            buf = send.new_empty((n + room, rows.width))
             rows.write(send)
             rows = send
         else:

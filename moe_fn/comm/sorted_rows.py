@@ -73,7 +73,7 @@ class SortedRowsExchange(Exchange):
         ``recv_splits`` into a new buffer with ``room`` more rows behind them, which the
         caller fills (needs ``SendRows``: the buffer is as wide): ``(buffer, work)``,
         ``work`` None or what to wait on. The transport allocates that buffer, so it can
-        place it where it moves rows from (registered memory). ``pulls``: the layout's
+        place it where it moves rows from (peer memory). ``pulls``: the layout's
         ``RowPulls`` (pulling transports); ``in_parts``: the caller reads the received rows
         range by range (``_landed``), so the transport may land them in parts."""
         raise NotImplementedError
@@ -367,10 +367,8 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
 
     pulls = False  # whether the transport pulls rows from its peers (needs RowPulls)
 
-    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False,
-                 register_buffers: bool = False):
+    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
         self.fused_combine = fused_combine
-        self.register_buffers = register_buffers
         ep, rank = self._group_size_and_rank(group)
         super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
 

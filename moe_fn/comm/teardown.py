@@ -9,17 +9,14 @@ import sys
 
 import torch.distributed as dist
 
-from .nccl_pool import release_registered_buffers
 from .peer_memory import release_peer_memory
 
 
 def release_exchange_buffers() -> None:
-    """Free what the all_to_all exchanges keep between moves: the registered pools
-    (deregistered while their communicator lives) and the symmetric-memory buffers. Call on
-    every rank with nothing in flight, before ``destroy_process_group``; the next move makes
-    new ones. (DeepEP's ``Buffer``, built without ``explicitly_destroy``, stays until the
-    process ends, as in DeepEP's own tests.)"""
-    release_registered_buffers()
+    """Free what the all_to_all exchanges keep between moves: the symmetric-memory
+    buffers. Call on every rank with nothing in flight, before ``destroy_process_group``;
+    the next move makes new ones. (DeepEP's ``Buffer``, built without
+    ``explicitly_destroy``, stays until the process ends, as in DeepEP's own tests.)"""
     release_peer_memory()
 
 

@@ -74,8 +74,7 @@ OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="ea
 def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
     # DeepEP and the token-once all_to_all sum on the expert side in their own kernels
     # (symm_mem does too, and folds the weights into those sums for the fused combine).
-    fused_combine = ("fused" if comm in ("all_to_all", "all_to_all_symm", "all_to_all_ce")
-                     else "eager")
+    fused_combine = "fused" if comm in ("all_to_all", "all_to_all_symm") else "eager"
     arms = {
         "off": OFF,
         "fused_gate_up": OFF | dict(gate_up_impl="fused"),
@@ -96,8 +95,6 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
         arms = {k: v | dict(all_to_all_dedup=True) for k, v in arms.items()}
     if comm == "all_to_all_symm":
         arms = {k: v | dict(all_to_all_transport="symm_mem") for k, v in arms.items()}
-    if comm == "all_to_all_ce":  # the row all_to_all over the copy engines
-        arms = {k: v | dict(all_to_all_transport="copy_engine") for k, v in arms.items()}
     return arms
 
 
@@ -437,7 +434,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--comm-num-sm", type=int, default=20)
     ap.add_argument("--comm", choices=("all_to_all", "all_to_all_dedup", "all_to_all_symm",
-                                       "all_to_all_ce", "deepep"),
+                                       "deepep"),
                     default="all_to_all")
     ap.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                     help="AdamW implementation on CUDA (every arm alike)")

@@ -80,9 +80,7 @@ def backends(have_deepep):
     # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
     # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
     # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
-    # "all_to_all_ce": the collective's rows pulled by copy engines (all_to_all_transport=
-    # "copy_engine").
-    names = (["all_to_all", "all_to_all_ce", "all_to_all_symm",
+    names = (["all_to_all", "all_to_all_symm",
               "all_to_all_symm_rowwise", "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
@@ -109,8 +107,6 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     rowwise = backend == "all_to_all_symm_rowwise"
     if backend.startswith("all_to_all_symm"):
         backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
-    if backend == "all_to_all_ce":
-        backend, extra["all_to_all_transport"] = "all_to_all", "copy_engine"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
     if backend == "all_to_all_dedup":
@@ -544,9 +540,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
         # default) or on the compute stream around NCCL's asynchronous transfer.
         # (The symm_mem transport's pulls are kernels of their own: side stream only.)
         modes = (True, False) if backend in ("all_to_all", "all_to_all_dedup") else (None,)
-        # The copy engines need no SMs: the carveout only serves the gathers and sums.
-        carveouts = (4, 12, 20) if backend == "all_to_all_ce" else (12, 20, 24)
-        for sms, side in itertools.product(carveouts, modes):
+        for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
             arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
                           overlap_weight_grad=overlap, comm_num_sm=sms)[0]
@@ -633,9 +627,8 @@ def serial_pieces_in_place(layer, x, dy, reps):
 
 
 # Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem transport's
-# pulls and barriers, and copy-engine peer copies (the copy_engine transport); lower
-# case, as the names they are matched against.
-_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier", "memcpy ptop")
+# pulls and barriers; lower case, as the names they are matched against.
+_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier")
 
 
 def trace_overlap(layer, x, dy, results, backend):
@@ -679,7 +672,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
-                    help="comma-separated subset of all_to_all, all_to_all_ce, "
+                    help="comma-separated subset of all_to_all, "
                          "all_to_all_symm, all_to_all_symm_rowwise, all_to_all_dedup, "
                          "deepep")
     a = ap.parse_args()

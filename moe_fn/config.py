@@ -15,9 +15,12 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "deepep")
-ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem", "copy_engine")
-# The transports that read peers' memory over NVLink (GPUs of one host).
-PEER_TRANSPORTS = ("symm_mem", "copy_engine")
+ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem")
+# Transports that no longer exist, and why (asking for one names the replacement).
+REMOVED_TRANSPORTS = {
+    "registered": "about 1% of a step for a teardown hazard",
+    "copy_engine": "never 5% faster than symm_mem, which needs the same GPUs",
+}
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
 DEEPEP_MAX_HIDDEN = 8184
@@ -57,10 +60,7 @@ class MoEConfig:
     ``all_to_all_single``; ``"symm_mem"`` publishes what each rank holds in torch symmetric
     memory and the others read it over NVLink straight into place — each token once per
     rank for the dispatch, one float32 partial per (token, rank) for the combine — CUDA
-    ranks of one host; on CPUs a gathering stand-in runs the same logic;
-    ``"copy_engine"`` moves the collective's rows, but each receiver pulls them from its
-    peers' symmetric memory with copies the GPU's copy engines run, taking no SMs from
-    what runs beside them; same hosts and stand-in).
+    ranks of one host; on CPUs a gathering stand-in runs the same logic).
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
@@ -118,10 +118,11 @@ class MoEConfig:
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
-        if self.all_to_all_transport == "registered":
-            raise ValueError("all_to_all_transport='registered' was removed (about 1% of a step "
-                             "for a teardown hazard, docs/exchanges.md): use "
-                             "all_to_all_transport='collective'")
+        if self.all_to_all_transport in REMOVED_TRANSPORTS:
+            raise ValueError(f"all_to_all_transport={self.all_to_all_transport!r} was removed "
+                             f"({REMOVED_TRANSPORTS[self.all_to_all_transport]}, "
+                             "docs/exchanges.md): use all_to_all_transport='collective' or "
+                             "'symm_mem'")
         _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",
@@ -159,7 +160,7 @@ class MoEConfig:
                     "row-by-row exchange's rows; all_to_all_dedup=True is another exchange "
                     "(tokens once per rank over all_to_all_single): set one of them back to "
                     "its default")
-            if self.all_to_all_transport in PEER_TRANSPORTS and self.ep_size > PEER_MAX_RANKS:
+            if self.all_to_all_transport == "symm_mem" and self.ep_size > PEER_MAX_RANKS:
                 raise ValueError(
                     f"all_to_all_transport={self.all_to_all_transport!r} supports at most "
                     f"{PEER_MAX_RANKS} ranks, got ep_size={self.ep_size}: use "

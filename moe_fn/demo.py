@@ -193,17 +193,15 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 # --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("symm_mem", "copy_engine")
+TRANSPORTS = ("symm_mem",)
 
 
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
     transport = {"all_to_all_transport": comm} if comm in TRANSPORTS else {}
-    # The copy engines take no SMs: the overlap's carveout then serves only the gathers and
-    # sums (bench/RESULTS.md, issue 5).
     return dict(gate_up_impl="fused", row_weighting_impl="fused",
                 combine_impl="eager" if comm == "deepep" else "fused",
-                overlap_weight_grad=ep > 1, comm_num_sm=4 if comm == "copy_engine" else 20,
+                overlap_weight_grad=ep > 1, comm_num_sm=20,
                 skip_recompute_combine=True, **transport)
 
 
@@ -361,9 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=None,
                    help="exchange for --ep 2: all_to_all (default), symm_mem (all_to_all "
                         "pulling rows from symmetric memory; on CPUs its gathering "
-                        "stand-in), copy_engine (all_to_all's rows pulled by copy "
-                        "engines; the same stand-in on CPUs) or deepep (CUDA, bf16; DeepEP "
-                        "must be importable)")
+                        "stand-in) or deepep (CUDA, bf16; DeepEP must be importable)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     p.add_argument("--batch", type=int, default=2,
                    help=f"sequences of {SEQ} tokens per process per step (default 2)")

@@ -27,7 +27,7 @@ from .replay import KeptActivations, current_region
 def takes_comm_sms(config: MoEConfig) -> bool:
     """Whether anything the config runs takes ``comm_num_sm`` SMs: DeepEP's kernels, the
     symm_mem transport's pulls, the overlap's carveout (the other exchanges leave the
-    SMs to NCCL or the copy engines and never read it)."""
+    SMs to NCCL and never read it)."""
     return config.ep_size > 1 and (
         config.comm_backend == "deepep" or config.overlap_weight_grad
         or (config.all_to_all_transport == "symm_mem" and not config.all_to_all_dedup))
@@ -63,10 +63,6 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
         from .comm.token_a2a import TokenAllToAllExchange
         return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
-    if config.comm_backend == "all_to_all" and config.all_to_all_transport == "copy_engine":
-        from .comm.copy_engine import CopyEngineRowsExchange
-        return CopyEngineRowsExchange(num_experts=config.num_experts, group=process_group,
-                                      fused_combine=config.combine_impl == "fused")
     if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
         from .comm.peer_rows import PeerRowsExchange
         return PeerRowsExchange(num_experts=config.num_experts, group=process_group,

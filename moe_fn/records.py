@@ -39,16 +39,6 @@ class RoutePlan:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RowPulls:
-    """Where a rank's rows sit in its peers' send buffers, for a transport whose receiver
-    pulls them (the copy engines): ``offsets[s]``, the first row peer s sends this rank;
-    ``max_rows``, the most rows any rank sends (every rank's buffer region that tall)."""
-
-    offsets: tuple[int, ...]
-    max_rows: int
-
-
-@attrs.frozen(kw_only=True, eq=False)
 class SortedRowsHandle:
     """Layout of one dispatch over the ``local`` or ``all_to_all`` exchange.
 
@@ -70,9 +60,6 @@ class SortedRowsHandle:
     ``num_rows``: N, rows this rank computes.
     ``flat``: the same layout for inputs with one row per (token, k) (routing weights):
     its ``remote_tokens``/``self_tokens`` index flattened rows; None inside ``flat``.
-    ``pulls_out`` / ``pulls_home``: for a transport that pulls rows from its peers, where
-    this rank's rows sit in each peer's send buffer towards the experts / home (None for
-    the collective).
     """
 
     plan: RoutePlan
@@ -87,8 +74,6 @@ class SortedRowsHandle:
     local_offs: torch.Tensor
     num_rows: int
     flat: SortedRowsHandle | None
-    pulls_out: RowPulls | None = None
-    pulls_home: RowPulls | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -142,7 +142,7 @@ def test_autocast_takes_an_input_already_lowered_and_parameters_some_lowered():
 
 def _ep_body(rank, world):
     for kw in (dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
-               dict(all_to_all_transport="copy_engine"), dict(overlap_weight_grad=True)):
+               dict(overlap_weight_grad=True)):
         torch.manual_seed(0)
         full = _layer({})
         layer = _layer({}, comm_backend="all_to_all", ep_size=world, **kw)

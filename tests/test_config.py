@@ -42,9 +42,8 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(all_to_all_transport="registered"),
      "'registered' was removed.*use all_to_all_transport='collective'"),
     (dict(all_to_all_transport="symm_mem"), "leave it 'collective'"),
-    (dict(all_to_all_transport="copy_engine"), "leave it 'collective'"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="copy_engine",
-          all_to_all_dedup=True), "set one of them back"),
+    (dict(all_to_all_transport="copy_engine"),
+     "'copy_engine' was removed.*use all_to_all_transport='collective' or 'symm_mem'"),
     (dict(comm_backend="deepep", ep_size=2, all_to_all_transport="symm_mem"),
      "use comm_backend='all_to_all'"),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="symm_mem",
@@ -162,14 +161,13 @@ def test_comm_num_sm_must_leave_sms_for_the_gemms():
 
 def test_only_what_takes_sms_reads_comm_num_sm():
     """The first CUDA forward checks that comm_num_sm leaves SMs to the GEMMs only where
-    something takes them: a GPU with few SMs (a MIG slice) runs the NCCL or copy-engine
-    exchanges, which never read it."""
+    something takes them: a GPU with few SMs (a MIG slice) runs the NCCL exchanges,
+    which never read it."""
     from moe_fn.layer import takes_comm_sms
 
     ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
     assert not takes_comm_sms(MoEConfig(**BASE))
     assert not takes_comm_sms(MoEConfig(**ep))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="copy_engine"))
     assert not takes_comm_sms(MoEConfig(**ep, all_to_all_dedup=True))
     assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))

@@ -344,8 +344,7 @@ def _ep_body(rank, world, tokens_per_rank):
 # The fused combine weights the rows at home (combine_weighted_fwd/bwd).
 EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
              dict(all_to_all_transport="symm_mem", combine_impl="fused"),
-             dict(combine_impl="fused"), dict(all_to_all_transport="copy_engine"),
-             dict(all_to_all_transport="copy_engine", combine_impl="fused"),
+             dict(combine_impl="fused"),
              # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
              # in its sums) over tests/fake_deep_ep.py's stand-in for its Buffer.
              dict(comm_backend="deepep")]

@@ -95,8 +95,8 @@ def _check_gradients(rank, world):
 
 
 def _check_gradients_other_exchange(rank, world, **exchange_kw):
-    """The token-once all_to_all (all_to_all_dedup), the symm_mem and copy-engine
-    transports and DeepEP: the same guarantees."""
+    """The token-once all_to_all (all_to_all_dedup), the symm_mem transport and DeepEP: the
+    same guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
@@ -164,10 +164,6 @@ def _body(rank, world):
         _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
                                         combine_impl=combine_impl)
     _check_order_and_failure(rank, world, all_to_all_transport="symm_mem")
-    for combine_impl in ("eager", "fused"):
-        _check_gradients_other_exchange(rank, world, all_to_all_transport="copy_engine",
-                                        combine_impl=combine_impl)
-    _check_order_and_failure(rank, world, all_to_all_transport="copy_engine")
     if world in fake_deep_ep.INTRANODE_RANKS:  # DeepEP's own exchange, over its stand-in
         fake_deep_ep.install()
         _check_gradients_other_exchange(rank, world, comm_backend="deepep")

@@ -194,8 +194,7 @@ class AllToAllTransport:
         _all_gather(c, plan.counts.contiguous(), group=self.group)
         return c.view(self.ep_size, -1)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
-                  pulls=None, in_parts=False):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0):
         n = sum(recv_splits)
         if isinstance(rows, SendRows):
             send = rows.empty()

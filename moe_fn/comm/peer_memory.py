@@ -63,7 +63,7 @@ class SymmetricPeerMemory:
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:  # pragma: no cover - depends on the torch build
-            raise RuntimeError("all_to_all_transport='symm_mem' or 'copy_engine' needs "
+            raise RuntimeError("all_to_all_transport='symm_mem' needs "
                                "torch's symmetric memory (torch.distributed._symmetric_memory),"
                                " which this torch build lacks: use "
                                "all_to_all_transport='collective'") from e
@@ -98,7 +98,7 @@ class SymmetricPeerMemory:
             self._hdl = self._symm.rendezvous(buf, self.group)
         except RuntimeError as e:
             raise RuntimeError(
-                "all_to_all_transport='symm_mem' or 'copy_engine' could not map the ranks' "
+                "all_to_all_transport='symm_mem' could not map the ranks' "
                 "buffers into each "
                 f"other ({e}); it needs CUDA ranks of one host with peer access (NVLink): "
                 "use all_to_all_transport='collective' elsewhere") from e

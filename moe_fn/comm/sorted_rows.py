@@ -25,7 +25,7 @@ from ..pure.dispatch import (
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
-from ..records import RoutePlan, RowPulls, SortedRowsHandle
+from ..records import RoutePlan, SortedRowsHandle
 from .base import (
     AllToAllTransport,
     Exchange,
@@ -67,27 +67,15 @@ class SortedRowsExchange(Exchange):
     fused_combine = False
     home_weighting = True
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
-                  pulls=None, in_parts=False):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0):
         """Rows (a tensor or ``SendRows``) sent by ``send_splits`` and received by
         ``recv_splits`` into a new buffer with ``room`` more rows behind them, which the
         caller fills (needs ``SendRows``: the buffer is as wide): ``(buffer, work)``,
-        ``work`` None or what to wait on. The transport allocates that buffer, so it can
-        place it where it moves rows from (peer memory). ``pulls``: the layout's
-        ``RowPulls`` (pulling transports); ``in_parts``: the caller reads the received rows
-        range by range (``_landed``), so the transport may land them in parts."""
+        ``work`` None or what to wait on."""
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
         raise NotImplementedError
-
-    def _landed(self, buf, work):
-        """Row ranges ``[lo, hi)`` of an exchange's received ``buf``, each readable on the
-        current stream when yielded. A transport may land a move in parts, so that placing
-        one part overlaps the next one's transfer; here it is one range, after the wait."""
-        if work is not None:
-            work.wait()
-        return ((0, buf.shape[0]),)
 
     def layout(self, plan: RoutePlan) -> SortedRowsHandle:
         self.counters["layout"] += 1
@@ -108,8 +96,7 @@ class SortedRowsExchange(Exchange):
                     None if weights is None else weights.index_select(0, h.flat.self_tokens))
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
-        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
-                                   pulls=h.pulls_out, in_parts=True)
+        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
         # Allocated once the transfer is queued: from an idle GPU it starts sooner.
         out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
         # The weights ride in the rows' copies: each lands where its row does.
@@ -119,14 +106,13 @@ class SortedRowsExchange(Exchange):
                           **({} if weights is None else
                              {"values": w, "values_index": h.flat.self_tokens,
                               "values_out": w_out}))
+        if work is not None:
+            work.wait()
         if weights is None:
-            for lo, hi in self._landed(buf, work):
-                kernels.copy_rows(buf[lo:hi], None, out, h.recv_dst[lo:hi])
+            kernels.copy_rows(buf, None, out, h.recv_dst)
             return out, None
-        rows, vals = buf[:, :token_rows.shape[1]], value_bytes(buf, w)
-        for lo, hi in self._landed(buf, work):
-            kernels.copy_rows(rows[lo:hi], None, out, h.recv_dst[lo:hi], values=vals[lo:hi],
-                              values_out=w_out)
+        kernels.copy_rows(buf[:, :token_rows.shape[1]], None, out, h.recv_dst,
+                          values=value_bytes(buf, w), values_out=w_out)
         return out, w_out.reshape(-1)
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None,
@@ -145,7 +131,7 @@ class SortedRowsExchange(Exchange):
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(expert_rows, h.recv_dst, w, h.recv_dst)
         buf, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
-                                   room=n_buf - n_in, pulls=h.pulls_home)
+                                   room=n_buf - n_in)
         own = (expert_rows, h.self_dst) if own_in_place else ()
         if not own_in_place and weights is None:
             torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
@@ -236,7 +222,7 @@ class SortedRowsExchange(Exchange):
         if h.self_dst is None:  # one rank: sorted order is expert order
             return kernels.gather_row_weight_bwd(d_out, h.self_tokens, rows, row_weights)
         buf, work = self._exchange(_send_gather(d_out, h.remote_tokens), h.send_splits,
-                                   h.recv_splits, async_op=True, pulls=h.pulls_out)
+                                   h.recv_splits, async_op=True)
         if work is not None:
             work.wait()
         # Own rows' gradients are read from d_out where they are: nothing is copied.
@@ -281,13 +267,13 @@ class SortedRowsExchange(Exchange):
                                            hi_out=d_rows, hi_index=handle.self_dst,
                                            lo_out=out)[2])
         buf, work = self._exchange(SendRows(split, src.shape[1], src.dtype, src.device, write),
-                                   handle.send_splits, handle.recv_splits, async_op=True,
-                                   pulls=handle.pulls_out, in_parts=True)
+                                   handle.send_splits, handle.recv_splits, async_op=True)
         if len(d_ws) != 1:
             raise RuntimeError(f"the transport wrote the send rows {len(d_ws)} times, not once")
         d_w, = d_ws
-        for lo, hi in self._landed(buf, work):
-            kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])
+        if work is not None:
+            work.wait()
+        kernels.copy_rows(buf, None, d_rows, handle.recv_dst)
         return d_rows, d_w.reshape(plan.num_tokens, k)
 
     def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None,
@@ -328,8 +314,7 @@ class LocalExchange(SortedRowsExchange):
         super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
         self.fused_combine = fused_combine
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
-                  pulls=None, in_parts=False):
+    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0):
         raise AssertionError("the local exchange moves nothing between ranks")
 
     def _layout_counts(self, plan):
@@ -349,23 +334,8 @@ def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=Non
                             flat=flat, **kw)
 
 
-def _row_pulls(rank_rows: list, ep: int, me: int) -> dict:
-    """``pulls_out`` / ``pulls_home`` from ``rank_rows`` (ep * ep: rows rank s sends rank d
-    towards the experts, at s * ep + d). A rank's send buffer holds its rows for the other
-    ranks in rank order: towards the experts, rank s's rows for d; home, the rows rank s
-    received from d."""
-    m = [[0 if s == d else rank_rows[s * ep + d] for d in range(ep)] for s in range(ep)]
-    out = RowPulls(offsets=tuple(sum(m[s][:me]) for s in range(ep)),
-                   max_rows=max(sum(row) for row in m))
-    home = RowPulls(offsets=tuple(sum(m[d][s] for d in range(me)) for s in range(ep)),
-                    max_rows=max(sum(m[d][s] for d in range(ep)) for s in range(ep)))
-    return {"pulls_out": out, "pulls_home": home}
-
-
 class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
     """One row per (token, expert) over ``all_to_all_single`` with split sizes."""
-
-    pulls = False  # whether the transport pulls rows from its peers (needs RowPulls)
 
     def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False):
         self.fused_combine = fused_combine
@@ -381,11 +351,7 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         c = self._gather_counts(plan)
         home = kernels.rows_home_side(c, plan.offs, plan.counts, plan.perm,
                                       plan.token_of_sorted, r, plan.top_k)
-        sizes = home.sizes[:2 * ep]
-        if self.pulls:  # every rank's rows to every rank, in the same host sync
-            sizes = torch.cat([sizes, c.view(ep, ep, -1).sum(-1).flatten().to(sizes.dtype)])
-        sizes = sizes.tolist()
-        pulls = {} if not self.pulls else _row_pulls(sizes[2 * ep:], ep, r)
+        sizes = home.sizes[:2 * ep].tolist()
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         own = send_splits[r]
         recv_start = sum(recv_splits[:r])
@@ -400,4 +366,4 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
             remote_tokens=home.buffer_tokens[:n_send], remote_flat=home.buffer_flat[:n_send],
             self_tokens=home.buffer_tokens[n_send:], self_flat=home.buffer_flat[n_send:],
             self_dst=dst[n_recv:], recv_dst=dst[:n_recv], home_order=home.home_order,
-            local_offs=home.local_offs, num_rows=n, **pulls)
+            local_offs=home.local_offs, num_rows=n)

@@ -1,9 +1,8 @@
-"""Two-GPU checks (skipped with fewer than two GPUs): the copy_engine transport (bit for
-bit) and the symm_mem transport (to rounding) over real symmetric memory against the
-collective all_to_all over NCCL on the same model — plain, with the weight-gradient
-overlap, under the reentrant checkpoint with the combine skip — and across a buffer
-growth and a release. Run with both GPUs visible:
-``python -m pytest tests/test_gpu_ep.py``."""
+"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem transport (to rounding)
+over real symmetric memory against the collective all_to_all over NCCL on the same model:
+plain, with the weight-gradient overlap, under the reentrant checkpoint with the combine
+skip, and across a buffer growth and a release. Run with both GPUs visible:
+``python -m pytest tests/comm/test_gpu_ep.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import torch
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.comm.base import stream_of
 from moe_fn.comm.peer_memory import release_peer_memory
 from moe_fn.testing import assert_close_to_ref
 from tests.dist_utils import run_distributed
@@ -23,27 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
 H, I, E = 256, 128, 16
 
 
-def _lag_pulls(ex, device, cycles=2_000_000):
-    """Every move's pulls queued behind ~1 ms of sleep on the pull stream, so that a read of
-    the received rows not ordered after them (a missing event wait) reads stale memory."""
-    real = ex._exchange
-
-    def lagging(*a, **kw):
-        with torch.cuda.stream(stream_of(ex, "_pull_streams", device)):
-            torch.cuda._sleep(cycles)
-        return real(*a, **kw)
-    ex._exchange = lagging
-
-
-def _grads(rank, world, device, dtype, tokens, transport, parts=None, lag=False, **kw):
+def _grads(rank, world, device, dtype, tokens, transport, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=4,
                     comm_backend="all_to_all", ep_size=world, all_to_all_transport=transport,
                     row_weighting_impl="fused", combine_impl="fused", **kw)
     layer = MoELayer(cfg, device=device, dtype=dtype)
-    if parts is not None:  # the copy engines' pulls in this many parts, however small
-        layer.exchange.pull_parts, layer.exchange.min_part_bytes = parts, 0
-    if lag:
-        _lag_pulls(layer.exchange, device)
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts
     with torch.no_grad():
@@ -64,9 +46,7 @@ def _grads(rank, world, device, dtype, tokens, transport, parts=None, lag=False,
 
 
 def compare_transports(rank, world, device=None):
-    """copy_engine and symm_mem against collective; ``device`` defaults to this
-    rank's GPU. The copy engines carry the collective's rows: every result equal bit for
-    bit. symm_mem
+    """symm_mem against collective; ``device`` defaults to this rank's GPU. symm_mem
     sums in other orders (a token's rows per rank first, then the ranks' float32 partials;
     the routing weights' gradient as a dot product on the expert side), so its results are
     held to the kernel rule against a float64 run of the collective: its error at most
@@ -83,14 +63,6 @@ def compare_transports(rank, world, device=None):
         if tokens not in ref64:  # the same function with every option
             ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "collective")
         want = _grads(rank, world, device, dtype, tokens, "collective", **kw)
-        # The copy engines move the collective's rows: the same results bit for bit.
-        # Pulled whole, in three parts however small, and in parts whose pulls lag behind
-        # the host by a sleep on their stream (the reads must wait for them).
-        for parts, lag in ((None, False), (3, False), (3, True)):
-            ce = _grads(rank, world, device, dtype, tokens, "copy_engine", parts, lag, **kw)
-            for name, a, b in zip(["out", "x.grad", "router", "gate_up", "down"], want, ce):
-                assert torch.equal(a, b), (f"copy_engine {name} {dtype} {kw} {tokens} "
-                                           f"{parts} {lag}")
         got = _grads(rank, world, device, dtype, tokens, "symm_mem", **kw)
         for name, a, b, r in zip(["out", "x.grad", "router", "gate_up", "down"], want, got,
                                  ref64[tokens]):

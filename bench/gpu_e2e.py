@@ -72,7 +72,7 @@ OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="ea
 
 
 def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
-    # DeepEP and the token-once all_to_all sum on the expert side in their own kernels
+    # DeepEP sums on the expert side in its own kernels
     # (symm_mem does too, and folds the weights into those sums for the fused combine).
     fused_combine = "fused" if comm in ("all_to_all", "all_to_all_symm") else "eager"
     arms = {
@@ -91,8 +91,6 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
                                                 recompute_in_checkpoint=False)
     if comm == "deepep":
         arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
-    if comm == "all_to_all_dedup":
-        arms = {k: v | dict(all_to_all_dedup=True) for k, v in arms.items()}
     if comm == "all_to_all_symm":
         arms = {k: v | dict(all_to_all_transport="symm_mem") for k, v in arms.items()}
     return arms
@@ -433,7 +431,7 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="sequence length (4096; tiny 64)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--comm-num-sm", type=int, default=20)
-    ap.add_argument("--comm", choices=("all_to_all", "all_to_all_dedup", "all_to_all_symm",
+    ap.add_argument("--comm", choices=("all_to_all", "all_to_all_symm",
                                        "deepep"),
                     default="all_to_all")
     ap.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",

@@ -78,10 +78,10 @@ ONLY_BACKENDS = None  # --backends: a subset to run
 
 def backends(have_deepep):
     # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
-    # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
-    # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
-    names = (["all_to_all", "all_to_all_symm",
-              "all_to_all_symm_rowwise", "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
+    # "symm_mem"); "all_to_all_symm_rowwise": the same, reading a token once per row, not
+    # once per rank.
+    names = (["all_to_all", "all_to_all_symm", "all_to_all_symm_rowwise"]
+             + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
     return [b for b in ONLY_BACKENDS if b in names]  # in the order given
@@ -109,8 +109,6 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
         backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
-    if backend == "all_to_all_dedup":
-        backend, extra["all_to_all_dedup"] = "all_to_all", True
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
     if rowwise:
@@ -233,7 +231,7 @@ def layer_bench(have_deepep, results, tokens, reps):
                     [(None, combine), (None, lambda: combine(False))], reps)
                 no_grad = {"combine_keeping_rows_ms": statistics.median(kept),
                            "combine_no_grad_ms": statistics.median(in_place)}
-        # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
+        # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (DeepEP)
         # not kept locally.
         if backend.startswith("all_to_all_symm"):  # the route's rows for other ranks' experts
             per_rank = plan.counts.reshape(WORLD, -1).sum(1).tolist()
@@ -253,8 +251,7 @@ def layer_bench(have_deepep, results, tokens, reps):
         if backend.startswith("all_to_all"):
             # Raw all_to_all_single of the (token, expert) rows this route moves between
             # ranks (what crosses NVLink row by row), and of every row including each
-            # rank's own (what a plain implementation sends). The dedup path delivers the
-            # same rows while sending each token once per rank.
+            # rank's own (what a plain implementation sends).
             full_send = plan.counts.reshape(WORLD, -1).sum(1)
             full_recv = torch.empty_like(full_send)
             dist.all_to_all_single(full_recv, full_send)
@@ -539,7 +536,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
         # all_to_all: the backward combine's gathers on a side stream (the library's
         # default) or on the compute stream around NCCL's asynchronous transfer.
         # (The symm_mem transport's pulls are kernels of their own: side stream only.)
-        modes = (True, False) if backend in ("all_to_all", "all_to_all_dedup") else (None,)
+        modes = (True, False) if backend == "all_to_all" else (None,)
         for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
             arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
@@ -673,7 +670,7 @@ def main():
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
                     help="comma-separated subset of all_to_all, "
-                         "all_to_all_symm, all_to_all_symm_rowwise, all_to_all_dedup, "
+                         "all_to_all_symm, all_to_all_symm_rowwise, "
                          "deepep")
     a = ap.parse_args()
     ONLY_BACKENDS = a.backends.split(",") if a.backends else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import attrs
@@ -26,6 +27,33 @@ DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 DEEPEP_MAX_HIDDEN = 8184
 
 
+# Options that no longer exist, each with what replaces it: passing one raises ValueError.
+REMOVED_OPTIONS = {
+    "all_to_all_dedup": "comm_backend: each token sent once per rank is what "
+                        "comm_backend='deepep' does, and the all_to_all exchange over "
+                        "all_to_all_transport='symm_mem' reads tokens once per rank; the "
+                        "token-once all_to_all was removed (never 5% faster than the "
+                        "exchanges kept, docs/exchanges.md): use comm_backend='all_to_all'",
+}
+
+
+def _refusing_removed_options(cls):
+    """A removed option raises ValueError naming its replacement (attrs would raise a bare
+    TypeError for an unknown keyword)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs):
+        for name in kwargs:
+            if name in REMOVED_OPTIONS:
+                raise ValueError(f"MoEConfig option {name!r} was removed: use "
+                                 f"{REMOVED_OPTIONS[name]}")
+        init(self, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
 def _one_of(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -36,6 +64,7 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+@_refusing_removed_options
 @attrs.frozen(kw_only=True)
 class MoEConfig:
     """Options of one MoE layer. Built once; invalid combinations raise ``ValueError``.
@@ -53,9 +82,6 @@ class MoEConfig:
     ``score_apply="post"`` (the routing weight scales the whole expert output, down bias
     included). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
     communication kernels use and that overlapped GEMMs leave free),
-    ``all_to_all_dedup`` (``all_to_all`` only: send each token once per destination rank
-    and sum its rows on the expert side, as DeepEP does, instead of one row per (token,
-    expert); fewer bytes, no longer bit-identical to one rank in bf16),
     ``all_to_all_transport`` (``all_to_all`` only: ``"collective"`` moves rows with
     ``all_to_all_single``; ``"symm_mem"`` publishes what each rank holds in torch symmetric
     memory and the others read it over NVLink straight into place — each token once per
@@ -95,7 +121,6 @@ class MoEConfig:
     overlap_weight_grad: bool = False
     skip_recompute_combine: bool = False
     recompute_in_checkpoint: bool = True
-    all_to_all_dedup: bool = False
     all_to_all_transport: str = "collective"
 
     def __attrs_post_init__(self):
@@ -125,8 +150,7 @@ class MoEConfig:
                              "'symm_mem'")
         _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
-                     "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint",
-                     "all_to_all_dedup"):
+                     "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_exchange()
@@ -139,14 +163,6 @@ class MoEConfig:
                 "skip_recompute_combine=False (or recompute_in_checkpoint=True)")
 
     def _check_exchange(self):
-        if self.all_to_all_dedup and self.comm_backend != "all_to_all":
-            raise ValueError(f"all_to_all_dedup=True changes how comm_backend='all_to_all' "
-                             f"sends tokens; with comm_backend={self.comm_backend!r} it would "
-                             "do nothing: set it False or use comm_backend='all_to_all'")
-        if self.all_to_all_dedup and self.combine_impl == "fused":
-            raise ValueError("combine_impl='fused' fuses the row-by-row all_to_all combine; "
-                             "all_to_all_dedup=True sums each token's rows on the expert side "
-                             "(always one pass): use combine_impl='eager' with it")
         if self.all_to_all_transport != "collective":
             if self.comm_backend != "all_to_all":
                 raise ValueError(
@@ -154,12 +170,6 @@ class MoEConfig:
                     "comm_backend='all_to_all' moves rows; with comm_backend="
                     f"{self.comm_backend!r} it would do nothing: leave it 'collective' or "
                     "use comm_backend='all_to_all'")
-            if self.all_to_all_dedup:
-                raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} moves the "
-                    "row-by-row exchange's rows; all_to_all_dedup=True is another exchange "
-                    "(tokens once per rank over all_to_all_single): set one of them back to "
-                    "its default")
             if self.all_to_all_transport == "symm_mem" and self.ep_size > PEER_MAX_RANKS:
                 raise ValueError(
                     f"all_to_all_transport={self.all_to_all_transport!r} supports at most "

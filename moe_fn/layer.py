@@ -30,7 +30,7 @@ def takes_comm_sms(config: MoEConfig) -> bool:
     SMs to NCCL and never read it)."""
     return config.ep_size > 1 and (
         config.comm_backend == "deepep" or config.overlap_weight_grad
-        or (config.all_to_all_transport == "symm_mem" and not config.all_to_all_dedup))
+        or config.all_to_all_transport == "symm_mem")
 
 
 def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
@@ -60,9 +60,6 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
         raise ValueError(f"the process group has {size} ranks but ep_size is "
                          f"{config.ep_size}: pass a group of {config.ep_size} ranks, or set "
                          f"ep_size={size}")
-    if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
-        from .comm.token_a2a import TokenAllToAllExchange
-        return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
     if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
         from .comm.peer_rows import PeerRowsExchange
         return PeerRowsExchange(num_experts=config.num_experts, group=process_group,
@@ -133,7 +130,7 @@ class MoELayer(nn.Module):
     Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
     local exchange and all_to_all over its collective transport with
     ``combine_impl="fused"`` they enter the combine's sum at home (one fused pass, nothing
-    extra sent); on the token-once exchanges (DeepEP, ``all_to_all_dedup``) with
+    extra sent); on DeepEP with
     ``row_weighting_impl="fused"``, and over ``all_to_all_transport="symm_mem"`` with fused
     row weighting or the fused combine, they enter the expert side's per-token (float32)
     sum; elsewhere they scale the expert rows before a plain-sum combine.
@@ -395,8 +392,8 @@ class MoELayer(nn.Module):
         # than weighting on the expert side.) The skipped combine keeps the expert-side
         # weighting: its backward needs the rows there.
         home_w = post and c.combine_impl == "fused" and self.exchange.home_weighting
-        # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
-        # their expert-side per-token sum instead; the symm_mem transport, whose sums are
+        # DeepEP, which sends each token once per rank, folds fused row weighting into
+        # its expert-side per-token sum instead; the symm_mem transport, whose sums are
         # float32 with float32 weights, folds them for the fused combine too (its weights
         # ride with the dispatch's rows).
         ex = self.exchange

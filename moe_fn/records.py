@@ -102,38 +102,6 @@ class DeepEPHandle:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class TokenExchangeHandle:
-    """Layout of one dispatch over the token-once ``all_to_all`` exchange.
-
-    ``plan``: the route. ``send_tokens`` (n_send,) int64: the home token of each sent
-    position, grouped by destination rank (a token goes once to every rank owning one of
-    its experts, this rank included). ``send_splits`` / ``recv_splits``: tokens sent to /
-    received from each rank (host ints). ``home_table`` (T, ep) int64: a home token's
-    position in the sent (and returned) buffer for each rank, -1 where it was not sent.
-    ``owner_pos`` (T, k) int64: the returned-buffer position of the rank owning each of a
-    token's k experts. ``token_of_row`` / ``slot_of_row`` / ``row_of_slot`` /
-    ``local_offs`` / ``num_rows`` / ``num_recv_tokens``: as in ``DeepEPHandle``.
-    ``row_weights`` (N,), in the weights' dtype: the routing weights the first dispatch
-    delivered to the rows (None before it, or without weights), which a cached dispatch
-    reuses instead of sending them again.
-    """
-
-    plan: RoutePlan
-    send_tokens: torch.Tensor
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    home_table: torch.Tensor
-    owner_pos: torch.Tensor
-    token_of_row: torch.Tensor
-    slot_of_row: torch.Tensor
-    row_of_slot: torch.Tensor
-    local_offs: torch.Tensor
-    num_rows: int
-    num_recv_tokens: int
-    row_weights: torch.Tensor | None = None
-
-
-@attrs.frozen(kw_only=True, eq=False)
 class PeerRowsHandle:
     """Layout of one dispatch over the ``all_to_all`` exchange with
     ``all_to_all_transport="symm_mem"``: rows pulled straight from the rank that holds them.

@@ -141,7 +141,7 @@ def test_autocast_takes_an_input_already_lowered_and_parameters_some_lowered():
 
 
 def _ep_body(rank, world):
-    for kw in (dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
+    for kw in (dict(), dict(all_to_all_transport="symm_mem"),
                dict(overlap_weight_grad=True)):
         torch.manual_seed(0)
         full = _layer({})

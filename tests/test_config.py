@@ -33,11 +33,9 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(ep_size=3), "ep_size"),
     (dict(comm_backend="local", ep_size=2), "comm_backend='local'"),
-    (dict(all_to_all_dedup=True), "all_to_all_dedup=True changes how"),
-    (dict(comm_backend="deepep", ep_size=2, all_to_all_dedup=True), "use comm_backend='all_to"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=True, combine_impl="fused"),
-     "use combine_impl='eager' with it"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=1), "all_to_all_dedup must"),
+    (dict(all_to_all_dedup=True), "'all_to_all_dedup' was removed.*use comm_backend="),
+    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=False),
+     "'all_to_all_dedup' was removed"),
     (dict(all_to_all_transport="nvlink"), "all_to_all_transport"),
     (dict(all_to_all_transport="registered"),
      "'registered' was removed.*use all_to_all_transport='collective'"),
@@ -46,8 +44,6 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
      "'copy_engine' was removed.*use all_to_all_transport='collective' or 'symm_mem'"),
     (dict(comm_backend="deepep", ep_size=2, all_to_all_transport="symm_mem"),
      "use comm_backend='all_to_all'"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="symm_mem",
-          all_to_all_dedup=True), "set one of them back"),
     (dict(comm_backend="all_to_all", ep_size=64, all_to_all_transport="symm_mem"),
      "at most 63 ranks.*use all_to_all_transport='collective'"),
     (dict(comm_backend="deepep", ep_size=3, num_experts=9), "ep_size in"),
@@ -168,7 +164,6 @@ def test_only_what_takes_sms_reads_comm_num_sm():
     ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
     assert not takes_comm_sms(MoEConfig(**BASE))
     assert not takes_comm_sms(MoEConfig(**ep))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_dedup=True))
     assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))
     assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="deepep")))

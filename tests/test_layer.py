@@ -3,8 +3,6 @@ single-process layer holding every expert."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -317,7 +315,7 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=tor
 
 EP_CASES = [
     dict(num_experts=8, top_k=2),
-    # Fused weighting: folded into the per-token sum of the token-once exchange.
+    # Fused weighting: folded into DeepEP's per-token sum.
     dict(num_experts=8, top_k=3, row_weighting_impl="fused"),
     dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
     dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
@@ -342,7 +340,7 @@ def _ep_body(rank, world, tokens_per_rank):
 # The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport
 # pulls from a gathering stand-in for symmetric memory: the same index logic).
 # The fused combine weights the rows at home (combine_weighted_fwd/bwd).
-EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
+EXCHANGES = [dict(), dict(all_to_all_transport="symm_mem"),
              dict(all_to_all_transport="symm_mem", combine_impl="fused"),
              dict(combine_impl="fused"),
              # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
@@ -409,15 +407,13 @@ def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
 
 
 def _count_collectives_body(rank, world):
-    for dedup, dtype in itertools.product((False, True),
-                                          (torch.float32, torch.bfloat16, torch.float64)):
-        _count_collectives(world, dedup, dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        _count_collectives(world, dtype)
 
 
-def _count_collectives(world, dedup, dtype):
+def _count_collectives(world, dtype):
     cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                    comm_backend="all_to_all", ep_size=world,  # weights sent with the rows
-                    all_to_all_dedup=dedup)
+                    comm_backend="all_to_all", ep_size=world)  # weights sent with the rows
     layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
     real, real_gather = dist.all_to_all_single, base._all_gather
@@ -440,11 +436,11 @@ def _count_collectives(world, dedup, dtype):
         backward = len(calls) - first - forward
     finally:
         dist.all_to_all_single, base._all_gather = real, real_gather
-    # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
-    # rows with their routing weights packed in, the combine; backward: the output gradient
+    # Forward: the layout's counts, the rows with their routing weights packed in, the
+    # combine; backward: the output gradient
     # out, the row gradients with the weight gradients packed in back (sent apart, the
     # weights would add one collective each way).
-    assert (forward, backward) == (4 if dedup else 3, 2), calls
+    assert (forward, backward) == (3, 2), calls
     assert calls[first + forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
     assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
 

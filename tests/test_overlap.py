@@ -95,8 +95,7 @@ def _check_gradients(rank, world):
 
 
 def _check_gradients_other_exchange(rank, world, **exchange_kw):
-    """The token-once all_to_all (all_to_all_dedup), the symm_mem transport and DeepEP: the
-    same guarantees."""
+    """The symm_mem transport and DeepEP: the same guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
@@ -158,8 +157,6 @@ def _check_order_and_failure(rank, world, **kw):
 def _body(rank, world):
     _check_gradients(rank, world)
     _check_order_and_failure(rank, world)
-    _check_gradients_other_exchange(rank, world, all_to_all_dedup=True)
-    _check_order_and_failure(rank, world, all_to_all_dedup=True)
     for combine_impl in ("eager", "fused"):
         _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
                                         combine_impl=combine_impl)

@@ -102,9 +102,8 @@ def _cfg(world, **kw):
 def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
     cases = [dict(c, **exchange_kw) for c in CASES
-             # The token-once exchanges combine in their own one-pass sums.
-             if not ((exchange_kw.get("all_to_all_dedup")
-                      or exchange_kw.get("comm_backend") == "deepep")
+             # DeepEP combines in its own one-pass sums.
+             if not (exchange_kw.get("comm_backend") == "deepep"
                      and c.get("combine_impl") == "fused")]
     for kw in cases:
         ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
@@ -189,11 +188,9 @@ def test_the_recompute_routes_as_the_forward_did():
 def _ep_body(rank, world):
     fake_deep_ep.install()
     _check_recompute_routes_as_the_forward_did(world, rank)
-    _check_recompute_routes_as_the_forward_did(world, rank, all_to_all_dedup=True)
     _check_recompute_routes_as_the_forward_did(world, rank, comm_backend="deepep")
     _check_cases(world, rank)
     _check_cases(world, rank, comm_backend="deepep")
-    _check_cases(world, rank, all_to_all_dedup=True)
     _check_cases(world, rank, all_to_all_transport="symm_mem")
 
 

@@ -175,8 +175,8 @@ class SendRows(NamedTuple):
 
 class AllToAllTransport:
     """``torch.distributed.all_to_all_single`` with split sizes (NCCL on GPUs, gloo on
-    CPUs): the transport of both all_to_all exchanges (rows, and tokens once); the row
-    exchanges (collective and ``symm_mem``) also gather every rank's counts here."""
+    CPUs): the transport of the all_to_all exchange; it and ``symm_mem`` also gather every
+    rank's counts here."""
 
     backend = "all_to_all"
 

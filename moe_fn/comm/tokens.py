@@ -1,4 +1,4 @@
-"""What the token-once exchanges (DeepEP, ``all_to_all_dedup``) share: a token crosses to
+"""What a token-once exchange (DeepEP) does besides its transport: a token crosses to
 a rank once and is expanded there into its expert rows (``handle.token_of_row``); the
 combine sums each received token's rows on the expert side (``handle.row_of_slot``) and
 sends one partial per (token, rank) home. So the routing weights can be folded into that

@@ -1,5 +1,5 @@
-"""expand_received (the token-once exchanges' expansion of received tokens into expert
-rows, DeepEP's included) against a naive per-slot construction."""
+"""expand_received (DeepEP's expansion of received tokens into expert rows) against a naive
+per-slot construction."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_expand_received_matches_naive(r, k, e_local):
 
 
 def test_per_slot_values_follow_the_table_and_are_zero_elsewhere():
-    """The token-once exchanges' (received token, k) table of row values (DeepEP's and the
-    dedup exchange's routing-weight gradients): the row's value where the slot's expert is
+    """DeepEP's (received token, k) table of row values (its routing-weight gradients): the
+    row's value where the slot's expert is
     local, zero where it lives elsewhere, in the values' dtype, also with no rows at all."""
     from moe_fn.comm.tokens import TokenRowsExchange
 

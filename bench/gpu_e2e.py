@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.hf import convert
+from moe_fn.resources import release_comm_resources
 
 RANK, WORLD = 0, 1
 
@@ -536,7 +536,7 @@ def main(argv=None):
     plot(results, png_path)
     if distributed:
         dist.barrier()
-        release_exchange_buffers()  # while NCCL lives
+        release_comm_resources()  # while NCCL lives
         dist.destroy_process_group()
 
 

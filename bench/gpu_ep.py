@@ -35,9 +35,9 @@ import moe_fn
 from bench._gpu import environment
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.routing import Combine
-from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.pure.activations import resolve_layout
 from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
+from moe_fn.resources import release_comm_resources
 
 RANK = WORLD = 0
 
@@ -173,7 +173,7 @@ def dispatch_once(layer, x):
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, layer.config.num_experts)
     sent_w = None if layer._weight_placement()[0] else w
-    rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
+    rows, row_w, handle = ex.dispatch(x, sent_w, ex.layout(plan))
     return w, sent_w, plan, rows, row_w, handle
 
 
@@ -206,15 +206,15 @@ def layer_bench(have_deepep, results, tokens, reps):
 
             def fresh():
                 p = moe_fn.layer.make_route_plan(plan.topk_idx, layer.config.num_experts)
-                ex.dispatch_fwd(x, sent_w, ex.layout(p))
+                ex.dispatch(x, sent_w, ex.layout(p))
 
             def cached():
-                ex.dispatch_fwd(x, sent_w, handle, cached=True)
+                ex.dispatch(x, sent_w, handle, cached=True)
 
             def combine(needs_grad=True):  # as the layer's forward combines, weights where
                 # it puts them, keeping what a backward needs unless told it will not run
-                Combine.apply(rows, ex, handle, w if home_w else None,
-                              row_w if fold_w else None, needs_grad)
+                Combine.apply(rows, ex, handle, w if home_w else row_w if fold_w else None,
+                              needs_grad)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
             # The same from a busy GPU (1 ms queued first): the moves' GPU time, where the
@@ -322,7 +322,7 @@ def recompute_bench(have_deepep, results, tokens, reps):
                 say(f"recompute {backend} {name} failed: {type(e).__name__}: {e}")
 
 
-_COMBINE_FWD = ("combine_fwd", "combine_weighted_fwd", "combine_row_weighted_fwd")
+_COMBINE_FWD = ("combine",)
 
 
 def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
@@ -373,12 +373,12 @@ def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
                 return out
             setattr(layer.exchange, name, wrapped)
 
-        def dispatch_marked(*a, _real=layer.exchange.dispatch_fwd, cached=False, **kw):
+        def dispatch_marked(*a, _real=layer.exchange.dispatch, cached=False, **kw):
             dmark("cached" if cached else "fresh")
             out = _real(*a, cached=cached, **kw)
             dmark("end")
             return out
-        layer.exchange.dispatch_fwd = dispatch_marked
+        layer.exchange.dispatch = dispatch_marked
 
     def block(layer):
         def fn(h):
@@ -430,7 +430,7 @@ def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
     finally:
         moe_fn.layer.make_route_plan = real_plan
         for layer in layers:
-            for name in (*_COMBINE_FWD, "dispatch_fwd"):
+            for name in (*_COMBINE_FWD, "dispatch"):
                 layer.exchange.__dict__.pop(name, None)
     med = [{k: statistics.median(v) if v else None for k, v in ph.items()} for ph in phases]
     off, on = phases
@@ -567,7 +567,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
                                      fused=c.gate_up_impl == "fused")
                 _, _, work = experts_bwd_input(res, d_rows)
                 t_dw = timed(lambda: experts_bwd_weight(work), reps)
-                t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
+                t_comb = timed(lambda: ex.dispatch_backward(handle, d_rows, row_w), reps)
             hidden = row["paired_saving_ms"] / min(t_dw, t_comb)
             row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
             try:  # a diagnostic: its failure must not cost the rest of the section
@@ -603,7 +603,7 @@ def serial_pieces_in_place(layer, x, dy, reps):
         return wrapped
     real_dw = pure_experts.experts_bwd_weight
     pure_experts.experts_bwd_weight = around("dw", real_dw)
-    layer.exchange.dispatch_bwd = around("comb", layer.exchange.dispatch_bwd)
+    layer.exchange.dispatch_backward = around("comb", layer.exchange.dispatch_backward)
     try:
         for rep in range(reps + 2):
             for p in layer.parameters():
@@ -617,7 +617,7 @@ def serial_pieces_in_place(layer, x, dy, reps):
                     times[key].append(s.elapsed_time(e))
     finally:
         pure_experts.experts_bwd_weight = real_dw
-        layer.exchange.__dict__.pop("dispatch_bwd", None)
+        layer.exchange.__dict__.pop("dispatch_backward", None)
     if not times["dw"] or not times["comb"]:
         raise RuntimeError(f"the serial backward did not pass the wrapped calls: {times}")
     return statistics.median(times["dw"]), statistics.median(times["comb"])
@@ -704,7 +704,7 @@ def main():
         overlap_bench(have_deepep, results, a.tokens, a.reps)
         dump()
     dist.barrier()
-    release_exchange_buffers()  # while NCCL lives
+    release_comm_resources()  # while NCCL lives
     dist.destroy_process_group()
 
 

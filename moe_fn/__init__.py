@@ -5,7 +5,8 @@ from ._checks import debug_checks, set_debug_checks
 from .config import MoEConfig
 from .layer import MoELayer
 from .replay import checkpoint
+from .resources import release_comm_resources
 
 __all__ = ["MoEConfig", "MoELayer", "checkpoint", "debug_checks", "functional",
-           "set_debug_checks"]
+           "release_comm_resources", "set_debug_checks"]
 __version__ = "0.1.0"

@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .comm.teardown import leave_after_last_collective, release_exchange_buffers
+from .resources import leave_after_last_collective, release_comm_resources
 
 VOCAB, SEQ = 128, 32
 MODEL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -297,7 +297,7 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
         code = run(rank, world, args)
         dist.barrier()
     except BaseException:
-        release_exchange_buffers()  # while their communicator lives
+        release_comm_resources()  # while their communicator lives
         dist.destroy_process_group()
         raise
     if rank == 0:

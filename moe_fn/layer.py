@@ -15,13 +15,15 @@ from .autograd.experts import Experts
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
-from .comm import base as comm_base
-from .comm.base import Exchange
+from .comm import collectives
+from .comm.base import Exchange, Summation
+from .comm.carveout import sm_count
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
 from .pure.activations import resolve_layout
 from .records import RoutePlan
 from .replay import KeptActivations, current_region
+from .resources import RESOURCES
 
 
 def takes_comm_sms(config: MoEConfig) -> bool:
@@ -41,8 +43,9 @@ def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
                          f"the experts' GEMMs: use fewer (12-24 is typical)")
 
 
-def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
-    """The exchange a config asks for; group size is checked before any collective runs."""
+def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) -> Exchange:
+    """The exchange a config asks for, drawing on ``resources`` (the process's, by
+    default); group size is checked before any collective runs."""
     if config.comm_backend == "local":
         if process_group is not None and dist.get_world_size(process_group) != 1:
             n = dist.get_world_size(process_group)
@@ -50,8 +53,8 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
                              f"expert parallelism over it set ep_size={n} and comm_backend="
                              "'all_to_all' or 'deepep' (moe_fn.hf.convert(model, ep_size="
                              f"{n}, process_group=...) picks 'all_to_all'), or pass no group")
-        return LocalExchange(num_experts=config.num_experts,
-                             fused_combine=config.combine_impl == "fused")
+        return LocalExchange(num_experts=config.num_experts, resources=resources,
+                             fused_sums=config.combine_impl == "fused")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"comm_backend={config.comm_backend!r} needs torch.distributed "
                            "initialised (dist.init_process_group) before the layer is built")
@@ -63,13 +66,15 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
     if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
         from .comm.peer_rows import PeerRowsExchange
         return PeerRowsExchange(num_experts=config.num_experts, group=process_group,
-                                num_sms=config.comm_num_sm)
+                                resources=resources, num_sms=config.comm_num_sm)
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
-                                fused_combine=config.combine_impl == "fused")
+                                resources=resources,
+                                fused_sums=config.combine_impl == "fused")
     from .comm.deepep import DeepEPExchange
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
-                          hidden_size=config.hidden_size, num_sms=config.comm_num_sm)
+                          resources=resources, hidden_size=config.hidden_size,
+                          num_sms=config.comm_num_sm)
 
 
 def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
@@ -354,7 +359,7 @@ class MoELayer(nn.Module):
                             device=x.device)
         ep = self.exchange.ep_size
         every = mine.new_empty(ep * 2)
-        comm_base._all_gather(every, mine, group=self.exchange.group)
+        collectives.all_gather(every, mine, group=self.exchange.group)
         rows = every.view(ep, 2).tolist()
         for rank, (cfg, dtype) in enumerate(rows):
             what = [w for w, same in (("config", cfg == rows[0][0]),
@@ -391,15 +396,15 @@ class MoELayer(nn.Module):
         # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
         # than weighting on the expert side.) The skipped combine keeps the expert-side
         # weighting: its backward needs the rows there.
-        home_w = post and c.combine_impl == "fused" and self.exchange.home_weighting
+        ex = self.exchange
+        home_w = post and c.combine_impl == "fused" and ex.summation is Summation.HOME
         # DeepEP, which sends each token once per rank, folds fused row weighting into
         # its expert-side per-token sum instead; the symm_mem transport, whose sums are
         # float32 with float32 weights, folds them for the fused combine too (its weights
         # ride with the dispatch's rows).
-        ex = self.exchange
-        fold_w = post and ex.folds_row_weights and (
+        fold_w = post and ex.summation is Summation.EXPERTS and (
             c.row_weighting_impl == "fused"
-            or (c.combine_impl == "fused" and ex.folds_row_weights_exactly))
+            or (c.combine_impl == "fused" and getattr(ex, "folds_exactly", False)))
         return home_w, fold_w
 
     def _forward_routed(self, x2, region):
@@ -450,8 +455,8 @@ class MoELayer(nn.Module):
             # Without a backward to come (no grad mode: a reentrant checkpoint's first
             # forward, inference) the home-weighted combine keeps nothing.
             needs_grad = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
-            out = Combine.apply(y, self.exchange, handle, w if home_w else None,
-                                row_w if fold_w else None, needs_grad)
+            out = Combine.apply(y, self.exchange, handle,
+                                w if home_w else row_w if fold_w else None, needs_grad)
         return out, logits
 
     def _forward_kept(self, x2, region):
@@ -531,7 +536,7 @@ class MoELayer(nn.Module):
         if (self.exchange.ep_size > 1
                 and self._ranks_agree_on != (x.dtype, x.device)):
             if x.is_cuda and takes_comm_sms(c):
-                check_comm_num_sm(c.comm_num_sm, comm_base.sm_count(x.device))
+                check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
             self._check_ranks_agree(x)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.comm import base
+from moe_fn.comm import collectives
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 
@@ -339,7 +339,7 @@ def _ep_body(rank, world, tokens_per_rank):
 
 # The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport
 # pulls from a gathering stand-in for symmetric memory: the same index logic).
-# The fused combine weights the rows at home (combine_weighted_fwd/bwd).
+# The fused combine weights the rows at home (combine(weights=...) and its backward).
 EXCHANGES = [dict(), dict(all_to_all_transport="symm_mem"),
              dict(all_to_all_transport="symm_mem", combine_impl="fused"),
              dict(combine_impl="fused"),
@@ -390,8 +390,8 @@ def test_a_combine_told_no_backward_refuses_one():
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, 4)
     ex = layer.exchange
-    rows, _, handle = ex.dispatch_fwd(x, None, ex.layout(plan))
-    out = Combine.apply(rows.requires_grad_(), ex, handle, w, None, False)
+    rows, _, handle = ex.dispatch(x, None, ex.layout(plan))
+    out = Combine.apply(rows.requires_grad_(), ex, handle, w, False)
     with pytest.raises(RuntimeError, match="needs_grad=False"):
         out.sum().backward()
 
@@ -416,7 +416,7 @@ def _count_collectives(world, dtype):
                     comm_backend="all_to_all", ep_size=world)  # weights sent with the rows
     layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
-    real, real_gather = dist.all_to_all_single, base._all_gather
+    real, real_gather = dist.all_to_all_single, collectives.all_gather
 
     def counting(real):
         def call(*a, **kw):
@@ -424,7 +424,7 @@ def _count_collectives(world, dtype):
             return real(*a, **kw)
         return call
     dist.all_to_all_single = counting(real)
-    base._all_gather = counting(real_gather)
+    collectives.all_gather = counting(real_gather)
     try:
         x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
         layer(x)  # the first call per dtype also checks that the ranks agree: one gather
@@ -435,7 +435,7 @@ def _count_collectives(world, dtype):
         out.float().sum().backward()
         backward = len(calls) - first - forward
     finally:
-        dist.all_to_all_single, base._all_gather = real, real_gather
+        dist.all_to_all_single, collectives.all_gather = real, real_gather
     # Forward: the layout's counts, the rows with their routing weights packed in, the
     # combine; backward: the output gradient
     # out, the row gradients with the weight gradients packed in back (sent apart, the
@@ -484,7 +484,7 @@ def test_ranks_that_disagree_are_refused_before_the_exchange(differ):
 def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
     """What a packed collective delivers is bit for bit what was packed: the values ride as
     their own bytes (or an exact upcast), and packed rows stay 16-byte aligned."""
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(9, 13, generator=g).to(rows_dtype)
@@ -505,7 +505,7 @@ def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
 
 
 def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     g = torch.Generator().manual_seed(1)
     rows = torch.randn(6, 13, generator=g).to(torch.bfloat16)
@@ -519,7 +519,7 @@ def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
 
 
 def test_unpacking_values_of_rows_that_are_not_there_raises():
-    from moe_fn.comm.base import new_packed, unpack_rows
+    from moe_fn.comm.packing import new_packed, unpack_rows
 
     values = torch.zeros(0, 1)
     packed = new_packed(torch.zeros(0, 13, dtype=torch.bfloat16), 0, values)
@@ -531,7 +531,7 @@ def test_unpacking_values_of_rows_that_are_not_there_raises():
 def test_one_packed_row_of_odd_width_unpacks(values_dtype):
     """A single packed row is a contiguous slice whose values may start at an offset their
     dtype cannot view from (bf16 rows of odd width): unpacking copies them out."""
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     rows = torch.randn(1, 7).to(torch.bfloat16)
     values = torch.randn(1, 8, dtype=values_dtype)
@@ -547,9 +547,9 @@ def test_cached_dispatch_of_other_tokens_is_refused():
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, 4)
     handle = layer.exchange.layout(plan)
-    layer.exchange.dispatch_fwd(x, w, handle, cached=True)  # the same tokens: fine
+    layer.exchange.dispatch(x, w, handle, cached=True)  # the same tokens: fine
     with pytest.raises(ValueError, match="must move the 6 tokens its handle was made for"):
-        layer.exchange.dispatch_fwd(x[:5], w[:5], handle, cached=True)
+        layer.exchange.dispatch(x[:5], w[:5], handle, cached=True)
 
 
 def test_reset_parameters_after_meta_construction_zeroes_the_choice_bias():

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..kernels._registry import use_triton
 from ..pure.dispatch import peer_gather, peer_partial_sum, slot_sum
-from .base import sm_count
+from .carveout import sm_count
 
 _ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
 _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
@@ -213,32 +213,6 @@ class GatheredPeerMemory:
         region = torch.zeros((max_rows, width), dtype=dtype, device=device)
         write(region)
         return self.expose(region, values, max_rows, max_values)
-
-
-_SHARED: dict = {}
-
-
-def peer_memory(group, device: torch.device):
-    """The group's peer memory on ``device``: one symmetric buffer shared by every
-    exchange of the group on CUDA (as DeepEP shares one ``Buffer``), the gathering
-    stand-in elsewhere. ``release_peer_memory()`` frees the buffers."""
-    if device.type != "cuda":
-        return GatheredPeerMemory(group)
-    g = group if group is not None else dist.group.WORLD
-    # Keyed by the group object, held here: a group created after another was destroyed
-    # (whose name may repeat) gets its own buffer.
-    key = (id(g), device)
-    entry = _SHARED.get(key)
-    if entry is None or entry[0] is not g:
-        entry = _SHARED[key] = (g, SymmetricPeerMemory(group, device))
-    return entry[1]
-
-
-def release_peer_memory() -> None:
-    """Forget every symmetric buffer (call on every rank, with nothing in flight, e.g.
-    before ``destroy_process_group``): it is freed once no move holds it, and the next
-    move of any exchange, built before or after, creates a new one."""
-    _SHARED.clear()
 
 
 def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slots=None):

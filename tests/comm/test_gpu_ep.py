@@ -11,7 +11,6 @@ import torch
 
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.comm.peer_memory import release_peer_memory
 from moe_fn.testing import assert_close_to_ref
 from tests.dist_utils import run_distributed
 
@@ -69,7 +68,7 @@ def compare_transports(rank, world, device=None):
             assert_close_to_ref(b, a, r, f"{name} {dtype} {kw} {tokens}")
             if name in ("gate_up", "down"):  # the same row gradients reach the experts
                 assert torch.equal(b, a), f"{name} {dtype} {kw} {tokens}"
-    release_peer_memory()
+    moe_fn.release_comm_resources()
     got = _grads(rank, world, device, torch.float32, 64, "symm_mem")
     want = _grads(rank, world, device, torch.float32, 64, "collective")
     ref = _grads(rank, world, device, torch.float64, 64, "collective")

@@ -151,21 +151,22 @@ def _expanded_weight_grad_body(rank, world, through_kernels):
     """A routing-weight gradient expanded from one value (stride 0, as autograd hands a
     sum's gradient back) travels home like a materialised one."""
     import moe_fn.kernels as kernels
+    from moe_fn.comm.resources import ResourceRegistry
     from moe_fn.comm.sorted_rows import AllToAllExchange
     from moe_fn.layer import make_route_plan
 
     kernels.use_triton = lambda t: through_kernels and t.dtype in KERNEL_DTYPES
     idx = torch.tensor([[0, 2], [1, 3], [2, 0]]) if rank == 0 else torch.tensor(
         [[2, 0], [3, 1], [1, 2]])
-    ex = AllToAllExchange(num_experts=4, fused_combine=True)
+    ex = AllToAllExchange(num_experts=4, resources=ResourceRegistry(), fused_sums=True)
     handle = ex.layout(make_route_plan(idx, 4))
     g = torch.Generator().manual_seed(rank)
-    rows, row_w, _ = ex.dispatch_fwd(torch.randn(3, 8, generator=g), torch.rand(3, 2, generator=g),
-                                     handle)
+    rows, row_w, _ = ex.dispatch(torch.randn(3, 8, generator=g), torch.rand(3, 2, generator=g),
+                                 handle)
     d_rows = torch.randn(rows.shape, generator=g)
     d_w = torch.full((), 0.5).expand(row_w.shape[0])
-    dx, dw = ex.dispatch_bwd(handle, d_rows, d_w)
-    want_dx, want_dw = ex.dispatch_bwd(handle, d_rows, d_w.contiguous())
+    dx, dw = ex.dispatch_backward(handle, d_rows, d_w).wait()
+    want_dx, want_dw = ex.dispatch_backward(handle, d_rows, d_w.contiguous()).wait()
     assert torch.equal(dw, torch.full((3, 2), 0.5)) and torch.equal(want_dw, dw)
     assert torch.equal(dx, want_dx)
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_fn.autograd.routing import row_weighting_backward
+from moe_fn.comm.base import Gathered
 from moe_fn.comm.peer_rows import PeerRowsExchange
+from moe_fn.comm.resources import ResourceRegistry
 from moe_fn.layer import make_route_plan
 from tests.dist_utils import run_distributed
 
@@ -26,7 +29,7 @@ def _routes(world, e, k, seed):
 
 def _check(rank, world, e, k, seed):
     routes = _routes(world, e, k, seed)
-    ex = PeerRowsExchange(num_experts=e)
+    ex = PeerRowsExchange(num_experts=e, resources=ResourceRegistry())
     h = ex.layout(make_route_plan(routes[rank], e))
     el = e // world
     # Each owner's expert-major rows: by local expert, then source rank, then the
@@ -63,7 +66,7 @@ def _check(rank, world, e, k, seed):
           for s in range(world)]
     ws = [torch.rand(len(routes[s]), k, generator=gen[s], dtype=torch.float64)
           for s in range(world)]
-    rows, row_w, _ = ex.dispatch_fwd(xs[rank], ws[rank], h)
+    rows, row_w, _ = ex.dispatch(xs[rank], ws[rank], h)
     assert torch.equal(rows, torch.stack([xs[s][i // k] for s, i in mine]) if mine
                        else torch.empty(0, H, dtype=torch.float64))
     assert row_w.tolist() == [float(ws[s].flatten()[i]) for s, i in mine]
@@ -79,23 +82,25 @@ def _check(rank, world, e, k, seed):
     for i in range(flat.numel()):
         want[i // k] += row_of(i)
         want_w[i // k] += row_of(i) * ws[rank].flatten()[i]
-    torch.testing.assert_close(ex.combine_fwd(y, h)[0], want)
+    torch.testing.assert_close(ex.combine(y, h)[0], want)
     # Routing weights folded into the expert side's sums: each row weighted by the weight
     # the dispatch delivered with it.
-    torch.testing.assert_close(ex.combine_row_weighted_fwd(y, row_w, h), want_w)
+    torch.testing.assert_close(ex.combine(y, h, weights=row_w)[0], want_w)
     d_out = torch.randn(len(routes[rank]), H, dtype=torch.float64, generator=gen[rank])
     d_outs = [None] * world
     dist.all_gather_object(d_outs, d_out)
     for fused in (False, True):
-        d_rows, d_rw = ex.combine_bwd_weighted_rows(h, d_out, y, row_w, fused=fused)
+        d = (ex.combine_backward_gathered(h, d_out) if fused
+             else Gathered(ex.combine_backward(h, d_out)[0]))
+        d_rows, d_rw = row_weighting_backward(d, y, row_w, fused=fused)
         for p, (s, i) in enumerate(mine):
             torch.testing.assert_close(d_rows[p], ws[s].flatten()[i] * d_outs[s][i // k])
             torch.testing.assert_close(d_rw[p], (d_outs[s][i // k] * y[p]).sum())
-    dx, d_w2 = ex.dispatch_bwd(h, y, row_w * 3)
+    dx, d_w2 = ex.dispatch_backward(h, y, row_w * 3).wait()
     torch.testing.assert_close(dx, want)
     assert d_w2.flatten().tolist() == [3 * float(ws[rank].flatten()[i]) for i in
                                        range(flat.numel())]
-    torch.testing.assert_close(ex.combine_bwd(h, d_out),
+    torch.testing.assert_close(ex.combine_backward(h, d_out)[0],
                                torch.stack([d_outs[s][i // k] for s, i in mine]) if mine
                                else torch.empty(0, H, dtype=torch.float64))
 

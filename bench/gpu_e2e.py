@@ -92,7 +92,7 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
     if comm == "deepep":
         arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
     if comm == "all_to_all_symm":
-        arms = {k: v | dict(all_to_all_transport="symm_mem") for k, v in arms.items()}
+        arms = {k: v | dict(comm_backend="symm_mem") for k, v in arms.items()}
     return arms
 
 

@@ -77,9 +77,8 @@ ONLY_BACKENDS = None  # --backends: a subset to run
 
 
 def backends(have_deepep):
-    # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
-    # "symm_mem"); "all_to_all_symm_rowwise": the same, reading a token once per row, not
-    # once per rank.
+    # "all_to_all_symm": the symm_mem exchange (comm_backend="symm_mem");
+    # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
     names = (["all_to_all", "all_to_all_symm", "all_to_all_symm_rowwise"]
              + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
@@ -106,7 +105,7 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
     rowwise = backend == "all_to_all_symm_rowwise"
     if backend.startswith("all_to_all_symm"):
-        backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
+        backend = "symm_mem"
     if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
         extra.setdefault("combine_impl", "fused")
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
@@ -535,7 +534,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
         # all_to_all: the backward combine's gathers on a side stream (the library's
         # default) or on the compute stream around NCCL's asynchronous transfer.
-        # (The symm_mem transport's pulls are kernels of their own: side stream only.)
+        # (The symm_mem exchange's pulls are kernels of their own: side stream only.)
         modes = (True, False) if backend == "all_to_all" else (None,)
         for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
@@ -623,7 +622,7 @@ def serial_pieces_in_place(layer, x, dy, reps):
     return statistics.median(times["dw"]), statistics.median(times["comb"])
 
 
-# Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem transport's
+# Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem exchange's
 # pulls and barriers; lower case, as the names they are matched against.
 _COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier")
 

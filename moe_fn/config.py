@@ -15,13 +15,7 @@ from .pure.router import router_validate
 SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("eager", "fused")
 GATE_UP_IMPLS = ("fused", "separate")
-COMM_BACKENDS = ("local", "all_to_all", "deepep")
-ALL_TO_ALL_TRANSPORTS = ("collective", "symm_mem")
-# Transports that no longer exist, and why (asking for one names the replacement).
-REMOVED_TRANSPORTS = {
-    "registered": "about 1% of a step for a teardown hazard",
-    "copy_engine": "never 5% faster than symm_mem, which needs the same GPUs",
-}
+COMM_BACKENDS = ("local", "all_to_all", "symm_mem", "deepep")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
 DEEPEP_MAX_HIDDEN = 8184
@@ -30,10 +24,15 @@ DEEPEP_MAX_HIDDEN = 8184
 # Options that no longer exist, each with what replaces it: passing one raises ValueError.
 REMOVED_OPTIONS = {
     "all_to_all_dedup": "comm_backend: each token sent once per rank is what "
-                        "comm_backend='deepep' does, and the all_to_all exchange over "
-                        "all_to_all_transport='symm_mem' reads tokens once per rank; the "
+                        "comm_backend='symm_mem' (GPUs of one host) and 'deepep' do; the "
                         "token-once all_to_all was removed (never 5% faster than the "
-                        "exchanges kept, docs/exchanges.md): use comm_backend='all_to_all'",
+                        "exchanges kept, docs/exchanges.md): use comm_backend='all_to_all', "
+                        "'symm_mem' or 'deepep'",
+    "all_to_all_transport": "comm_backend: 'symm_mem' is now comm_backend='symm_mem'; "
+                            "'collective' is comm_backend='all_to_all' itself; 'registered' "
+                            "and 'copy_engine' were removed (no faster than the exchanges "
+                            "kept, docs/exchanges.md): use comm_backend='all_to_all' or "
+                            "'symm_mem'",
 }
 
 
@@ -81,12 +80,12 @@ class MoEConfig:
     ``down_proj_bias (E, H)`` after down, inside each expert, and needs
     ``score_apply="post"`` (the routing weight scales the whole expert output, down bias
     included). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
-    communication kernels use and that overlapped GEMMs leave free),
-    ``all_to_all_transport`` (``all_to_all`` only: ``"collective"`` moves rows with
-    ``all_to_all_single``; ``"symm_mem"`` publishes what each rank holds in torch symmetric
-    memory and the others read it over NVLink straight into place — each token once per
-    rank for the dispatch, one float32 partial per (token, rank) for the combine — CUDA
-    ranks of one host; on CPUs a gathering stand-in runs the same logic).
+    communication kernels use and that overlapped GEMMs leave free). ``comm_backend``
+    ``"all_to_all"`` moves rows with ``all_to_all_single``; ``"symm_mem"`` publishes what
+    each rank holds in torch symmetric memory and the others read it over NVLink straight
+    into place — each token once per rank for the dispatch, one float32 partial per
+    (token, rank) for the combine — CUDA ranks of one host; on CPUs a gathering stand-in
+    runs the same logic.
     Checkpointing:
     ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
     (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
@@ -121,7 +120,6 @@ class MoEConfig:
     overlap_weight_grad: bool = False
     skip_recompute_combine: bool = False
     recompute_in_checkpoint: bool = True
-    all_to_all_transport: str = "collective"
 
     def __attrs_post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
@@ -143,12 +141,6 @@ class MoEConfig:
         _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
         _one_of("combine_impl", self.combine_impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
-        if self.all_to_all_transport in REMOVED_TRANSPORTS:
-            raise ValueError(f"all_to_all_transport={self.all_to_all_transport!r} was removed "
-                             f"({REMOVED_TRANSPORTS[self.all_to_all_transport]}, "
-                             "docs/exchanges.md): use all_to_all_transport='collective' or "
-                             "'symm_mem'")
-        _one_of("all_to_all_transport", self.all_to_all_transport, ALL_TO_ALL_TRANSPORTS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint"):
             if not isinstance(getattr(self, name), bool):
@@ -163,25 +155,17 @@ class MoEConfig:
                 "skip_recompute_combine=False (or recompute_in_checkpoint=True)")
 
     def _check_exchange(self):
-        if self.all_to_all_transport != "collective":
-            if self.comm_backend != "all_to_all":
-                raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} is how "
-                    "comm_backend='all_to_all' moves rows; with comm_backend="
-                    f"{self.comm_backend!r} it would do nothing: leave it 'collective' or "
-                    "use comm_backend='all_to_all'")
-            if self.all_to_all_transport == "symm_mem" and self.ep_size > PEER_MAX_RANKS:
-                raise ValueError(
-                    f"all_to_all_transport={self.all_to_all_transport!r} supports at most "
-                    f"{PEER_MAX_RANKS} ranks, got ep_size={self.ep_size}: use "
-                    "all_to_all_transport='collective'")
+        if self.comm_backend == "symm_mem" and self.ep_size > PEER_MAX_RANKS:
+            raise ValueError(f"comm_backend='symm_mem' supports at most {PEER_MAX_RANKS} "
+                             f"ranks, got ep_size={self.ep_size}: use comm_backend='all_to_all'")
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide num_experts "
                              f"({self.num_experts}): each rank owns num_experts/ep_size "
                              "experts; use a divisor")
         if self.comm_backend == "local" and self.ep_size != 1:
             raise ValueError(f"comm_backend='local' moves no rows between ranks, so ep_size must "
-                             f"be 1 (got {self.ep_size}); use 'all_to_all' or 'deepep'")
+                             f"be 1 (got {self.ep_size}); use 'all_to_all', 'symm_mem' or "
+                             "'deepep'")
         if self.comm_backend == "deepep":
             if self.ep_size not in DEEPEP_INTRANODE_SIZES:
                 raise ValueError(f"comm_backend='deepep' supports ep_size in "

@@ -192,17 +192,12 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-# --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("symm_mem",)
-
-
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
-    transport = {"all_to_all_transport": comm} if comm in TRANSPORTS else {}
     return dict(gate_up_impl="fused", row_weighting_impl="fused",
                 combine_impl="eager" if comm == "deepep" else "fused",
                 overlap_weight_grad=ep > 1, comm_num_sm=20,
-                skip_recompute_combine=True, **transport)
+                skip_recompute_combine=True)
 
 
 OPTIONS_OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
@@ -237,10 +232,8 @@ def run(rank: int, world: int, args) -> int:
     runs = {}
     for name, opts, ckpt in (("all on", on, True), ("all off", OPTIONS_OFF, False)):
         model = copy.deepcopy(ref)
-        # A transport is the all_to_all exchange moving rows another way ("all on" only).
-        backend = "all_to_all" if comm in TRANSPORTS else comm
         convert(model, process_group=group, ep_size=world,
-                **({"comm_backend": backend} if world > 1 else {}), **opts)
+                **({"comm_backend": comm} if world > 1 else {}), **opts)
         if ckpt:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -355,10 +348,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "backend in this process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo, default) or cuda (NCCL, one GPU per process)")
-    p.add_argument("--comm", choices=("all_to_all", *TRANSPORTS, "deepep"),
+    p.add_argument("--comm", choices=("all_to_all", "symm_mem", "deepep"),
                    default=None,
-                   help="exchange for --ep 2: all_to_all (default), symm_mem (all_to_all "
-                        "pulling rows from symmetric memory; on CPUs its gathering "
+                   help="exchange for --ep 2 (docs/exchanges.md): all_to_all (default), "
+                        "symm_mem (rows pulled from symmetric memory; on CPUs its gathering "
                         "stand-in) or deepep (CUDA, bf16; DeepEP must be importable)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     p.add_argument("--batch", type=int, default=2,

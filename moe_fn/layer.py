@@ -28,11 +28,11 @@ from .resources import RESOURCES
 
 def takes_comm_sms(config: MoEConfig) -> bool:
     """Whether anything the config runs takes ``comm_num_sm`` SMs: DeepEP's kernels, the
-    symm_mem transport's pulls, the overlap's carveout (the other exchanges leave the
+    symm_mem exchange's pulls, the overlap's carveout (the other exchanges leave the
     SMs to NCCL and never read it)."""
     return config.ep_size > 1 and (
         config.comm_backend == "deepep" or config.overlap_weight_grad
-        or config.all_to_all_transport == "symm_mem")
+        or config.comm_backend == "symm_mem")
 
 
 def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
@@ -51,7 +51,8 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
             n = dist.get_world_size(process_group)
             raise ValueError(f"comm_backend='local' with a process group of {n} ranks: for "
                              f"expert parallelism over it set ep_size={n} and comm_backend="
-                             "'all_to_all' or 'deepep' (moe_fn.hf.convert(model, ep_size="
+                             "'all_to_all', 'symm_mem' or 'deepep' (moe_fn.hf.convert(model, "
+                             "ep_size="
                              f"{n}, process_group=...) picks 'all_to_all'), or pass no group")
         return LocalExchange(num_experts=config.num_experts, resources=resources,
                              fused_sums=config.combine_impl == "fused")
@@ -63,10 +64,10 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
         raise ValueError(f"the process group has {size} ranks but ep_size is "
                          f"{config.ep_size}: pass a group of {config.ep_size} ranks, or set "
                          f"ep_size={size}")
-    if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
-        from .comm.peer_rows import PeerRowsExchange
-        return PeerRowsExchange(num_experts=config.num_experts, group=process_group,
-                                resources=resources, num_sms=config.comm_num_sm)
+    if config.comm_backend == "symm_mem":
+        from .comm.symm_mem import SymmMemExchange
+        return SymmMemExchange(num_experts=config.num_experts, group=process_group,
+                               resources=resources, num_sms=config.comm_num_sm)
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
                                 resources=resources,
@@ -133,12 +134,11 @@ class MoELayer(nn.Module):
     Rank r of the expert-parallel group (``process_group``, default the world group when
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
     Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
-    local exchange and all_to_all over its collective transport with
-    ``combine_impl="fused"`` they enter the combine's sum at home (one fused pass, nothing
-    extra sent); on DeepEP with
-    ``row_weighting_impl="fused"``, and over ``all_to_all_transport="symm_mem"`` with fused
-    row weighting or the fused combine, they enter the expert side's per-token (float32)
-    sum; elsewhere they scale the expert rows before a plain-sum combine.
+    local and all_to_all exchanges with ``combine_impl="fused"`` they enter the combine's
+    sum at home (one fused pass, nothing extra sent); on DeepEP with
+    ``row_weighting_impl="fused"``, and over symm_mem with fused row weighting or the fused
+    combine, they enter the expert side's per-token sum; elsewhere they scale the expert
+    rows before a plain-sum combine.
     """
 
     # Within a forward under torch.autocast: the dtype the layer computes in.
@@ -399,7 +399,7 @@ class MoELayer(nn.Module):
         ex = self.exchange
         home_w = post and c.combine_impl == "fused" and ex.summation is Summation.HOME
         # DeepEP, which sends each token once per rank, folds fused row weighting into
-        # its expert-side per-token sum instead; the symm_mem transport, whose sums are
+        # its expert-side per-token sum instead; the symm_mem exchange, whose sums are
         # float32 with float32 weights, folds them for the fused combine too (its weights
         # ride with the dispatch's rows).
         fold_w = post and ex.summation is Summation.EXPERTS and (

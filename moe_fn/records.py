@@ -102,9 +102,9 @@ class DeepEPHandle:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class PeerRowsHandle:
-    """Layout of one dispatch over the ``all_to_all`` exchange with
-    ``all_to_all_transport="symm_mem"``: rows pulled straight from the rank that holds them.
+class SymmMemHandle:
+    """Layout of one dispatch over the ``symm_mem`` exchange: rows pulled straight from the
+    rank that holds them.
 
     ``plan``: the route. For each expert-major row this rank computes (``num_rows`` N,
     grouped by local expert, then by source rank, then in the source's sorted order):

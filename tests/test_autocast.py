@@ -141,11 +141,10 @@ def test_autocast_takes_an_input_already_lowered_and_parameters_some_lowered():
 
 
 def _ep_body(rank, world):
-    for kw in (dict(), dict(all_to_all_transport="symm_mem"),
-               dict(overlap_weight_grad=True)):
+    for kw in (dict(), dict(comm_backend="symm_mem"), dict(overlap_weight_grad=True)):
         torch.manual_seed(0)
         full = _layer({})
-        layer = _layer({}, comm_backend="all_to_all", ep_size=world, **kw)
+        layer = _layer({}, **{"comm_backend": "all_to_all", "ep_size": world, **kw})
         e = full.config.num_experts // world
         with torch.no_grad():
             layer.router.weight.copy_(full.router.weight)

@@ -36,16 +36,10 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(all_to_all_dedup=True), "'all_to_all_dedup' was removed.*use comm_backend="),
     (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=False),
      "'all_to_all_dedup' was removed"),
-    (dict(all_to_all_transport="nvlink"), "all_to_all_transport"),
-    (dict(all_to_all_transport="registered"),
-     "'registered' was removed.*use all_to_all_transport='collective'"),
-    (dict(all_to_all_transport="symm_mem"), "leave it 'collective'"),
-    (dict(all_to_all_transport="copy_engine"),
-     "'copy_engine' was removed.*use all_to_all_transport='collective' or 'symm_mem'"),
-    (dict(comm_backend="deepep", ep_size=2, all_to_all_transport="symm_mem"),
-     "use comm_backend='all_to_all'"),
-    (dict(comm_backend="all_to_all", ep_size=64, all_to_all_transport="symm_mem"),
-     "at most 63 ranks.*use all_to_all_transport='collective'"),
+    (dict(all_to_all_transport="symm_mem"),
+     "'all_to_all_transport' was removed.*'symm_mem' is now comm_backend='symm_mem'"),
+    (dict(all_to_all_transport="registered"), "'registered' and 'copy_engine' were removed"),
+    (dict(comm_backend="symm_mem", ep_size=64), "at most 63 ranks.*use comm_backend='all_to_all'"),
     (dict(comm_backend="deepep", ep_size=3, num_experts=9), "ep_size in"),
     (dict(comm_backend="deepep", ep_size=2, comm_num_sm=21), "comm_num_sm must be even"),
     (dict(comm_backend="deepep", ep_size=2, hidden_size=9000), "DeepEP cannot carry"),
@@ -96,7 +90,8 @@ def _group_size_mismatch(rank, world):
     # The local exchange over a group of several ranks: the fix is ep_size, not only the
     # backend (which alone would fail on ep_size next).
     with pytest.raises(ValueError, match="process group of 2 ranks: for expert parallelism "
-                       "over it set ep_size=2 and comm_backend='all_to_all' or 'deepep'"):
+                       "over it set ep_size=2 and comm_backend='all_to_all', 'symm_mem' or "
+                       "'deepep'"):
         MoELayer(MoEConfig(**BASE), dist.group.WORLD)
     # No rank was left inside a collective: the group still works.
     t = torch.ones(1)
@@ -164,6 +159,6 @@ def test_only_what_takes_sms_reads_comm_num_sm():
     ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
     assert not takes_comm_sms(MoEConfig(**BASE))
     assert not takes_comm_sms(MoEConfig(**ep))
-    assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
+    assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="symm_mem")))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))
     assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="deepep")))

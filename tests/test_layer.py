@@ -337,11 +337,11 @@ def _ep_body(rank, world, tokens_per_rank):
             _ep_case(rank, world, kw, tokens_per_rank, 1234 + n, exchange_kw)
 
 
-# The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport
-# pulls from a gathering stand-in for symmetric memory: the same index logic).
+# Every exchange (on CPUs the symm_mem exchange pulls from a gathering stand-in for
+# symmetric memory: the same index logic).
 # The fused combine weights the rows at home (combine(weights=...) and its backward).
-EXCHANGES = [dict(), dict(all_to_all_transport="symm_mem"),
-             dict(all_to_all_transport="symm_mem", combine_impl="fused"),
+EXCHANGES = [dict(), dict(comm_backend="symm_mem"),
+             dict(comm_backend="symm_mem", combine_impl="fused"),
              dict(combine_impl="fused"),
              # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
              # in its sums) over tests/fake_deep_ep.py's stand-in for its Buffer.

@@ -95,7 +95,7 @@ def _check_gradients(rank, world):
 
 
 def _check_gradients_other_exchange(rank, world, **exchange_kw):
-    """The symm_mem transport and DeepEP: the same guarantees."""
+    """The symm_mem exchange and DeepEP: the same guarantees."""
     for impl, (mode, skip) in itertools.product(
             ["fused", "separate"], [("none", False), ("reentrant", False), ("reentrant", True),
                                     ("non_reentrant", True)]):
@@ -158,9 +158,9 @@ def _body(rank, world):
     _check_gradients(rank, world)
     _check_order_and_failure(rank, world)
     for combine_impl in ("eager", "fused"):
-        _check_gradients_other_exchange(rank, world, all_to_all_transport="symm_mem",
+        _check_gradients_other_exchange(rank, world, comm_backend="symm_mem",
                                         combine_impl=combine_impl)
-    _check_order_and_failure(rank, world, all_to_all_transport="symm_mem")
+    _check_order_and_failure(rank, world, comm_backend="symm_mem")
     if world in fake_deep_ep.INTRANODE_RANKS:  # DeepEP's own exchange, over its stand-in
         fake_deep_ep.install()
         _check_gradients_other_exchange(rank, world, comm_backend="deepep")

@@ -191,7 +191,7 @@ def _ep_body(rank, world):
     _check_recompute_routes_as_the_forward_did(world, rank, comm_backend="deepep")
     _check_cases(world, rank)
     _check_cases(world, rank, comm_backend="deepep")
-    _check_cases(world, rank, all_to_all_transport="symm_mem")
+    _check_cases(world, rank, comm_backend="symm_mem")
 
 
 @pytest.mark.multiproc

@@ -63,10 +63,9 @@ class SymmetricPeerMemory:
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:  # pragma: no cover - depends on the torch build
-            raise RuntimeError("all_to_all_transport='symm_mem' needs "
-                               "torch's symmetric memory (torch.distributed._symmetric_memory),"
-                               " which this torch build lacks: use "
-                               "all_to_all_transport='collective'") from e
+            raise RuntimeError("comm_backend='symm_mem' needs torch's symmetric memory "
+                               "(torch.distributed._symmetric_memory), which this torch build "
+                               "lacks: use comm_backend='all_to_all'") from e
         self._symm = symm_mem
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
@@ -98,10 +97,9 @@ class SymmetricPeerMemory:
             self._hdl = self._symm.rendezvous(buf, self.group)
         except RuntimeError as e:
             raise RuntimeError(
-                "all_to_all_transport='symm_mem' could not map the ranks' "
-                "buffers into each "
+                "comm_backend='symm_mem' could not map the ranks' buffers into each "
                 f"other ({e}); it needs CUDA ranks of one host with peer access (NVLink): "
-                "use all_to_all_transport='collective' elsewhere") from e
+                "use comm_backend='all_to_all' elsewhere") from e
         self._buf = buf
         ptrs = list(self._hdl.buffer_ptrs)
         self._bytes = tuple(p - ptrs[self.rank] for p in ptrs)
@@ -219,7 +217,7 @@ def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slot
     """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (given rows) and
     ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
     ``(out or None, vout or None)``, on the whole GPU. ``token_slots``
-    (``PeerRowsHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
+    (``SymmMemHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
     kernel then reads each token row once however many rows copy it."""
     peers = view.rows
     ref = peers[view.rank] if peers is not None else view.values[view.rank]

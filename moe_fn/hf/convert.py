@@ -494,8 +494,8 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
     gate_up_impl, score_apply ("post" or "activation"; "pre" is refused; Llama-4's is
     "pre", set by its preset, and refused as an option),
-    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, all_to_all_transport,
-    overlap_weight_grad, skip_recompute_combine, recompute_in_checkpoint.
+    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, overlap_weight_grad,
+    skip_recompute_combine, recompute_in_checkpoint.
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, a
     block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or

@@ -1,5 +1,5 @@
-"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem transport (to rounding)
-over real symmetric memory against the collective all_to_all over NCCL on the same model:
+"""Two-GPU checks (skipped with fewer than two GPUs): the symm_mem exchange (to rounding)
+over real symmetric memory against the all_to_all exchange over NCCL on the same model:
 plain, with the weight-gradient overlap, under the reentrant checkpoint with the combine
 skip, and across a buffer growth and a release. Run with both GPUs visible:
 ``python -m pytest tests/comm/test_gpu_ep.py``."""
@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
 H, I, E = 256, 128, 16
 
 
-def _grads(rank, world, device, dtype, tokens, transport, **kw):
+def _grads(rank, world, device, dtype, tokens, backend, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=4,
-                    comm_backend="all_to_all", ep_size=world, all_to_all_transport=transport,
+                    comm_backend=backend, ep_size=world,
                     row_weighting_impl="fused", combine_impl="fused", **kw)
     layer = MoELayer(cfg, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
@@ -60,8 +60,8 @@ def compare_transports(rank, world, device=None):
             (torch.float32, dict(skip_recompute_combine=True), 300),
             (torch.float32, {}, 20000)]:  # 80 MB of rows: more than the first buffer holds
         if tokens not in ref64:  # the same function with every option
-            ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "collective")
-        want = _grads(rank, world, device, dtype, tokens, "collective", **kw)
+            ref64[tokens] = _grads(rank, world, device, torch.float64, tokens, "all_to_all")
+        want = _grads(rank, world, device, dtype, tokens, "all_to_all", **kw)
         got = _grads(rank, world, device, dtype, tokens, "symm_mem", **kw)
         for name, a, b, r in zip(["out", "x.grad", "router", "gate_up", "down"], want, got,
                                  ref64[tokens]):
@@ -70,8 +70,8 @@ def compare_transports(rank, world, device=None):
                 assert torch.equal(b, a), f"{name} {dtype} {kw} {tokens}"
     moe_fn.release_comm_resources()
     got = _grads(rank, world, device, torch.float32, 64, "symm_mem")
-    want = _grads(rank, world, device, torch.float32, 64, "collective")
-    ref = _grads(rank, world, device, torch.float64, 64, "collective")
+    want = _grads(rank, world, device, torch.float32, 64, "all_to_all")
+    ref = _grads(rank, world, device, torch.float64, 64, "all_to_all")
     for a, b, r in zip(want, got, ref):
         assert_close_to_ref(b, a, r, "after release")
 

@@ -157,10 +157,10 @@ def test_the_exit_hook_is_registered_once_and_never_raises(monkeypatch, capsys):
 def test_a_symm_mem_exchange_looks_its_buffer_up_every_move(monkeypatch):
     """After a release nothing keeps the old buffer alive and the next move gets a new
     one, for an exchange built before the release."""
-    from moe_fn.comm.peer_rows import PeerRowsExchange
+    from moe_fn.comm.symm_mem import SymmMemExchange
 
     monkeypatch.setattr(res, "SymmetricPeerMemory", lambda group, device: object())
-    ex = PeerRowsExchange.__new__(PeerRowsExchange)
+    ex = SymmMemExchange.__new__(SymmMemExchange)
     ex.group, ex.resources = Group(), ResourceRegistry()
     cuda = torch.device("cuda", 0)
     first = ex._mem(cuda)

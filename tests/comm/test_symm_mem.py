@@ -1,4 +1,4 @@
-"""The symm_mem transport's layout against a brute-force oracle, and its moves against
+"""The symm_mem exchange's layout against a brute-force oracle, and its moves against
 plain loops, over gloo (the gathering stand-in): ranks without tokens, experts without
 rows, top_k = 1, tokens routed twice to one expert."""
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from moe_fn.autograd.routing import row_weighting_backward
 from moe_fn.comm.base import Gathered
-from moe_fn.comm.peer_rows import PeerRowsExchange
 from moe_fn.comm.resources import ResourceRegistry
+from moe_fn.comm.symm_mem import SymmMemExchange
 from moe_fn.layer import make_route_plan
 from tests.dist_utils import run_distributed
 
@@ -29,7 +29,7 @@ def _routes(world, e, k, seed):
 
 def _check(rank, world, e, k, seed):
     routes = _routes(world, e, k, seed)
-    ex = PeerRowsExchange(num_experts=e, resources=ResourceRegistry())
+    ex = SymmMemExchange(num_experts=e, resources=ResourceRegistry())
     h = ex.layout(make_route_plan(routes[rank], e))
     el = e // world
     # Each owner's expert-major rows: by local expert, then source rank, then the
@@ -128,7 +128,7 @@ def _placement_body(rank, world):
         cfg = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
                    comm_backend="all_to_all", ep_size=world, combine_impl=impl,
                    row_weighting_impl=row_impl)
-        symm = MoELayer(MoEConfig(**cfg, all_to_all_transport="symm_mem"))
+        symm = MoELayer(MoEConfig(**dict(cfg, comm_backend="symm_mem")))
         # symm_mem sums in float32 with the dispatch's float32 weights: the fused combine
         # folds them into the expert side's sums instead of weighting at home.
         assert symm._weight_placement() == want, (impl, row_impl)

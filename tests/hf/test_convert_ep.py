@@ -79,7 +79,7 @@ def _all_presets(rank, world):
         # Qwen3-MoE, GPT-OSS (biases, interleaved) and Llama-4 (routing weights on the
         # experts' inputs), where this transformers has it.
         for name in ("qwen3_moe", "gpt_oss", *(["llama4"] if "llama4" in AVAILABLE else [])):
-            _check_preset(rank, world, name, ckpt, all_to_all_transport="symm_mem",
+            _check_preset(rank, world, name, ckpt, comm_backend="symm_mem",
                           skip_recompute_combine=ckpt)
             # Routing weights applied inside the fused combine at home (biases included).
             _check_preset(rank, world, name, ckpt, combine_impl="fused",
@@ -89,8 +89,8 @@ def _all_presets(rank, world):
                           skip_recompute_combine=ckpt)
             # Not recomputed: the forward's activations serve the checkpoint's backward.
             _check_preset(rank, world, name, ckpt, recompute_in_checkpoint=False,
-                          all_to_all_transport="symm_mem" if name == "gpt_oss"
-                          else "collective")
+                          comm_backend="symm_mem" if name == "gpt_oss"
+                          else "all_to_all")
 
 
 def test_expert_parallel_presets_match_hf():

@@ -1,7 +1,8 @@
-"""The ``all_to_all`` exchange over peer memory (``all_to_all_transport="symm_mem"``): the
-experts get one row per (token, expert), as over the collective, but no row is sent:
-each rank publishes what it has in memory every rank reads over NVLink
-(``moe_fn.comm.peer_memory``) and the reader pulls what it needs.
+"""The ``symm_mem`` exchange: the experts get one row per (token, expert), as over the
+all_to_all, but no row is sent: each rank publishes what it has in torch symmetric memory,
+which every rank of the host reads over NVLink (``moe_fn.comm.peer_memory``), and the
+reader pulls what it needs. CUDA ranks of one host; on CPUs (gloo) a gathering stand-in of
+the memory runs the same index logic.
 
 Over ``all_to_all_single`` a move costs three passes over the rows (the sender's gather
 into destination order, the collective's copies, the receiver's gather into expert
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..pure.activations import compute_dtype
-from ..records import PeerRowsHandle, RoutePlan
+from ..records import RoutePlan, SymmMemHandle
 from .base import (
     Exchange,
     Pending,
@@ -37,12 +38,12 @@ from .collectives import gather_counts, group_and_size
 from .peer_memory import pull_partials, pull_rows, write_slot_sums
 
 
-class PeerRowsExchange(Exchange):
+class SymmMemExchange(Exchange):
     """Expert rows, one per (token, expert), moved by pulls from peer memory: tokens read
     once per rank on the way to the experts, per-token partial sums on the way home (see
     the module)."""
 
-    backend = "all_to_all"
+    backend = "symm_mem"
     # The expert side sums each token's rows before the token's home reads them; routing
     # weights enter those float32 sums (``combine(weights=row_weights)``), delivered with
     # the rows by the dispatch.
@@ -68,7 +69,7 @@ class PeerRowsExchange(Exchange):
         return self.resources_on(device).peer_memory()
 
     # ---- layout ------------------------------------------------------------------------
-    def layout(self, plan: RoutePlan) -> PeerRowsHandle:
+    def layout(self, plan: RoutePlan) -> SymmMemHandle:
         self.counters["layout"] += 1
         ep, me, k = self.ep_size, self.rank, plan.top_k
         c = gather_counts(plan, ep, self.group)  # (ep, E): rows each rank sends to each expert
@@ -85,13 +86,13 @@ class PeerRowsExchange(Exchange):
         dist.all_to_all_single(recv_flat, plan.perm, recv_splits, send_splits,
                                group=self.group)
         rec = kernels.peer_receiver_side(c, recv_flat, me, k, max_tokens, home.tables)
-        return PeerRowsHandle(
+        return SymmMemHandle(
             plan=plan, src_rank=rec.src_rank, src_flat=rec.src_flat,
             token_slots=rec.token_slots, home_rank=home.home_rank, home_pos=home.home_pos,
             local_offs=home.local_offs, num_rows=n, max_tokens=max_tokens, max_rows=max_rows)
 
     # ---- token rows -> expert rows -------------------------------------------------------
-    def _to_experts(self, token_rows, values, h: PeerRowsHandle):
+    def _to_experts(self, token_rows, values, h: SymmMemHandle):
         k = h.plan.top_k
         view = self._mem(token_rows.device).expose(token_rows, values, h.max_tokens,
                                                    h.max_tokens * k)
@@ -99,7 +100,7 @@ class PeerRowsExchange(Exchange):
                          token_slots=h.token_slots if self.read_tokens_once else None)
 
     # ---- expert rows -> home, summed over k ----------------------------------------------
-    def _expose_partials(self, rows, values, h: PeerRowsHandle, row_weights=None):
+    def _expose_partials(self, rows, values, h: SymmMemHandle, row_weights=None):
         """Each token's rows summed where they are computed (float32 partials for half
         types, one per (source, token), written straight into the exposed buffer), with
         ``values`` (one per expert row) exposed beside them."""
@@ -112,17 +113,17 @@ class PeerRowsExchange(Exchange):
             rows.device)
 
     @staticmethod
-    def _pull_home(view, h: PeerRowsHandle, out_dtype, num_programs=None):
+    def _pull_home(view, h: SymmMemHandle, out_dtype, num_programs=None):
         """Each token's partials pulled from the ranks holding its rows and added; with
         values, each (token, k) row's value."""
         return pull_partials(view, h.home_rank, h.home_pos, h.max_tokens, h.plan.top_k,
                              out_dtype, num_programs=num_programs)
 
-    def _to_home(self, rows, values, h: PeerRowsHandle, row_weights=None):
+    def _to_home(self, rows, values, h: SymmMemHandle, row_weights=None):
         return self._pull_home(self._expose_partials(rows, values, h, row_weights), h,
                                rows.dtype)
 
-    def dispatch(self, x, weights, handle: PeerRowsHandle, *, cached: bool = False):
+    def dispatch(self, x, weights, handle: SymmMemHandle, *, cached: bool = False):
         if cached:
             check_cached_tokens(x, handle)
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
@@ -130,7 +131,7 @@ class PeerRowsExchange(Exchange):
                                        handle)
         return rows, row_w, handle
 
-    def dispatch_backward(self, handle: PeerRowsHandle, d_rows, d_row_weights, *,
+    def dispatch_backward(self, handle: SymmMemHandle, d_rows, d_row_weights, *,
                           async_op: bool = False) -> Pending:
         """Row gradients summed per token where they are, then pulled home. With
         ``async_op`` on CUDA (the overlapped backward) both run on a side stream beside what
@@ -161,7 +162,7 @@ class PeerRowsExchange(Exchange):
             pending.wait()
         return pending
 
-    def combine(self, rows, handle: PeerRowsHandle, *, weights=None, keep: bool = True):
+    def combine(self, rows, handle: SymmMemHandle, *, weights=None, keep: bool = True):
         """Each token's rows summed where they are, then pulled home; with ``weights``
         (one per expert row) the weights are applied inside the expert side's float32
         per-token sums: no weighted rows are written. Nothing is saved for the backward."""
@@ -169,7 +170,7 @@ class PeerRowsExchange(Exchange):
         check_combine_weights(self, weights, rows, handle)
         return self._to_home(rows, None, handle, weights)[0], None
 
-    def combine_backward(self, handle: PeerRowsHandle, d_out, *, weights=None, saved=None):
+    def combine_backward(self, handle: SymmMemHandle, d_out, *, weights=None, saved=None):
         if weights is not None:
             raise ValueError("the symm_mem exchange sums on the expert side: the backward "
                              "of its weighted combine is combine_backward_gathered followed "

@@ -106,8 +106,6 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     rowwise = backend == "all_to_all_symm_rowwise"
     if backend.startswith("all_to_all_symm"):
         backend = "symm_mem"
-    if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
-        extra.setdefault("combine_impl", "fused")
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
     if rowwise:
@@ -125,7 +123,7 @@ def parity(have_deepep, results):
     t = 512
     for backend in backends(have_deepep):
         layer, (rw, gu, dn) = build(kw, backend)
-        ref = MoELayer(MoEConfig(**kw, combine_impl=layer.config.combine_impl), device="cuda",
+        ref = MoELayer(MoEConfig(**kw, impl=layer.config.impl), device="cuda",
                        dtype=torch.bfloat16)
         with torch.no_grad():
             ref.router.weight.copy_(rw)
@@ -179,7 +177,7 @@ def dispatch_once(layer, x):
 def layer_bench(have_deepep, results, tokens, reps):
     flops = 2 * tokens * 8 * 2048 * 3 * 768
     for backend in backends(have_deepep):
-        layer, _ = build(QWEN, backend, row_weighting_impl="fused")
+        layer, _ = build(QWEN, backend)
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
 
@@ -282,7 +280,7 @@ def recompute_bench(have_deepep, results, tokens, reps):
     """Forward + checkpointed recompute + backward with the skip off and on: the two
     layers interleaved rep by rep, saving = median of the paired differences."""
     for backend in backends(have_deepep):
-        layers = [build(QWEN, backend, row_weighting_impl="fused",
+        layers = [build(QWEN, backend,
                         skip_recompute_combine=skip)[0] for skip in (False, True)]
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
@@ -538,7 +536,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
         modes = (True, False) if backend == "all_to_all" else (None,)
         for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
-            arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
+            arms = [build(QWEN, backend, group=group,
                           overlap_weight_grad=overlap, comm_num_sm=sms)[0]
                     for overlap in (False, True)]
             if side is not None:

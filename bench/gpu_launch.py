@@ -64,8 +64,7 @@ def main():
         "dispatch layout (2 Triton launches)": lambda: kernels.layout(idx, 128),
         "torch.add (reference)": lambda: rows16.add(rows16),
     }
-    cfg = MoEConfig(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
-                    row_weighting_impl="fused", combine_impl="fused")
+    cfg = MoEConfig(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8)
     layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)

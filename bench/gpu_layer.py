@@ -79,8 +79,7 @@ def main():
     variants = {}
     for impl in ("fused", "separate"):
         cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
-                        gate_up_impl=impl, row_weighting_impl="fused",
-                        combine_impl="fused")
+                        gate_up_impl=impl)
         layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             layer.router.weight.copy_(hf.gate.weight)

@@ -30,8 +30,7 @@ def main():
     ap.add_argument("--trace", default=None, help="write a chrome trace here")
     a = ap.parse_args()
     cfg = MoEConfig(hidden_size=2048, intermediate_size=768, num_experts=a.experts,
-                    top_k=a.top_k, gate_up_impl=a.gate_up_impl, row_weighting_impl="fused",
-                    combine_impl="fused")
+                    top_k=a.top_k, gate_up_impl=a.gate_up_impl)
     layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(a.tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)

@@ -13,7 +13,7 @@ from .pure.dispatch import PEER_MAX_RANKS
 from .pure.router import router_validate
 
 SCORE_APPLY = ("post", "pre", "activation")
-IMPLS = ("eager", "fused")
+IMPLS = ("fused", "reference")
 GATE_UP_IMPLS = ("fused", "separate")
 COMM_BACKENDS = ("local", "all_to_all", "symm_mem", "deepep")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
@@ -22,7 +22,12 @@ DEEPEP_MAX_HIDDEN = 8184
 
 
 # Options that no longer exist, each with what replaces it: passing one raises ValueError.
+_IMPL = ("impl, one knob for the row weighting and the combine's sums: impl='fused' (the "
+         "default, every exchange's fastest; was row_weighting_impl='fused', "
+         "combine_impl='fused') or impl='reference' (was 'eager' for both)")
 REMOVED_OPTIONS = {
+    "row_weighting_impl": _IMPL,
+    "combine_impl": _IMPL,
     "all_to_all_dedup": "comm_backend: each token sent once per rank is what "
                         "comm_backend='symm_mem' (GPUs of one host) and 'deepep' do; the "
                         "token-once all_to_all was removed (never 5% faster than the "
@@ -53,7 +58,13 @@ def _refusing_removed_options(cls):
     return cls
 
 
+# Values that no longer exist, by option: value -> what replaces it.
+REMOVED_VALUES = {"impl": {"eager": "impl='reference'"}}
+
+
 def _one_of(name, value, allowed):
+    if value in REMOVED_VALUES.get(name, {}):
+        raise ValueError(f"{name}={value!r} was removed: use {REMOVED_VALUES[name][value]}")
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
@@ -112,8 +123,7 @@ class MoEConfig:
     router_bias: bool = False
     expert_bias: bool = False
     score_apply: str = "post"
-    row_weighting_impl: str = "eager"
-    combine_impl: str = "eager"
+    impl: str = "fused"
     comm_backend: str = "local"
     ep_size: int = 1
     comm_num_sm: int = 20
@@ -138,8 +148,7 @@ class MoEConfig:
         _one_of("gate_up_layout", self.gate_up_layout, LAYOUTS)
         _one_of("gate_up_impl", self.gate_up_impl, GATE_UP_IMPLS)
         _one_of("score_apply", self.score_apply, SCORE_APPLY)
-        _one_of("row_weighting_impl", self.row_weighting_impl, IMPLS)
-        _one_of("combine_impl", self.combine_impl, IMPLS)
+        _one_of("impl", self.impl, IMPLS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint"):
@@ -195,16 +204,6 @@ class MoEConfig:
                 "weight multiplies the whole expert output, down_proj_bias included (GPT-OSS); "
                 "'activation' would leave the down bias unweighted and 'pre' would weight the "
                 "input instead of the output")
-        if self.combine_impl == "fused" and self.comm_backend == "deepep":
-            raise ValueError(
-                "combine_impl='fused' fuses the home-side gather and sum of the local and "
-                "all_to_all exchanges; DeepEP combines inside its own kernels: use "
-                "combine_impl='eager' with comm_backend='deepep'")
-        if self.row_weighting_impl == "fused" and self.score_apply == "activation":
-            raise ValueError(
-                "row_weighting_impl='fused' weights expert rows before or after the experts, "
-                "but score_apply='activation' folds the weights into the activation kernel: "
-                "use row_weighting_impl='eager' (or score_apply 'pre'/'post')")
 
     def _check_overlap(self):
         if not self.overlap_weight_grad:

@@ -10,8 +10,8 @@ What runs (no network, no download; the model is built from a config with seeded
   is exactly data-parallel training of one model on the global batch.
 - Run "all on": fused gate+up, fused row weighting and combine, the weight-gradient overlap
   (``ep > 1``), the recompute-combine skip, under HF's reentrant gradient checkpointing.
-- Run "all off": separate gate+up, eager weighting and combine, no overlap, no skip, no
-  checkpointing.
+- Run "all off": separate gate+up, the reference weighting and combine, no overlap, no
+  skip, no checkpointing.
 - Run "transformers": the unconverted HF model on the whole global batch (one process).
 
 It prints the loss of every step and the largest differences in per-step loss and in the
@@ -49,7 +49,7 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
     """(loss, parameter) tolerances for the largest absolute difference between two runs.
 
     float32: the runs compute the same function with float32 operations in a different
-    order (fused vs separate GEMMs, fused vs eager weighting, a recompute, one process vs
+    order (fused vs separate GEMMs, fused vs reference weighting, a recompute, one process vs
     two), each op a few ulps (2^-24 relative) apart. Measured: the loss (~ln 128 = 4.85)
     differs by 0 to 5e-6 over 5-20 steps. Parameters are compared against one AdamW step
     (lr): the update ``lr * m / (sqrt(v) + eps)`` of an element whose gradient is near
@@ -194,13 +194,11 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
-    return dict(gate_up_impl="fused", row_weighting_impl="fused",
-                combine_impl="eager" if comm == "deepep" else "fused",
-                overlap_weight_grad=ep > 1, comm_num_sm=20,
-                skip_recompute_combine=True)
+    return dict(gate_up_impl="fused", impl="fused", overlap_weight_grad=ep > 1,
+                comm_num_sm=20, skip_recompute_combine=True)
 
 
-OPTIONS_OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
+OPTIONS_OFF = dict(gate_up_impl="separate", impl="reference",
                    overlap_weight_grad=False, skip_recompute_combine=False)
 
 

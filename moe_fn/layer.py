@@ -55,7 +55,7 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
                              "ep_size="
                              f"{n}, process_group=...) picks 'all_to_all'), or pass no group")
         return LocalExchange(num_experts=config.num_experts, resources=resources,
-                             fused_sums=config.combine_impl == "fused")
+                             fused_sums=config.impl == "fused")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"comm_backend={config.comm_backend!r} needs torch.distributed "
                            "initialised (dist.init_process_group) before the layer is built")
@@ -71,7 +71,7 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
                                 resources=resources,
-                                fused_sums=config.combine_impl == "fused")
+                                fused_sums=config.impl == "fused")
     from .comm.deepep import DeepEPExchange
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
                           resources=resources, hidden_size=config.hidden_size,
@@ -133,12 +133,11 @@ class MoELayer(nn.Module):
 
     Rank r of the expert-parallel group (``process_group``, default the world group when
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
-    Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
-    local and all_to_all exchanges with ``combine_impl="fused"`` they enter the combine's
-    sum at home (one fused pass, nothing extra sent); on DeepEP with
-    ``row_weighting_impl="fused"``, and over symm_mem with fused row weighting or the fused
-    combine, they enter the expert side's per-token sum; elsewhere they scale the expert
-    rows before a plain-sum combine.
+    Routing weights are applied where ``config.score_apply`` says; for ``"post"`` with
+    ``impl="fused"`` they enter the combine's own sum where its exchange sums a token's
+    rows (``Exchange.summation``): at home over the local and all_to_all exchanges (one
+    fused pass, nothing extra sent), on the expert side over symm_mem and DeepEP; with
+    ``impl="reference"`` they scale the expert rows before a plain-sum combine.
     """
 
     # Within a forward under torch.autocast: the dtype the layer computes in.
@@ -205,7 +204,7 @@ class MoELayer(nn.Module):
                             c.group_score, float(c.routed_scaling_factor), replay_idx)
 
     def _weight_rows(self, rows, row_w):
-        if self.config.row_weighting_impl == "fused":
+        if self.config.impl == "fused":
             return functional.row_weight(rows, row_w)
         # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
         return rows * row_w.to(rows.dtype)[:, None]
@@ -390,21 +389,16 @@ class MoELayer(nn.Module):
         """``(home_w, fold_w)``: whether post-expert routing weights enter the combine's sum
         at home, or the expert side's per-token sum, instead of a weighting pass."""
         c = self.config
-        post = c.score_apply == "post" and not skip
-        # With the fused combine, post-expert weights go into its sum at home when the
-        # exchange brings rows home one by one: they need not travel, and no separate
-        # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
-        # than weighting on the expert side.) The skipped combine keeps the expert-side
-        # weighting: its backward needs the rows there.
-        ex = self.exchange
-        home_w = post and c.combine_impl == "fused" and ex.summation is Summation.HOME
-        # DeepEP, which sends each token once per rank, folds fused row weighting into
-        # its expert-side per-token sum instead; the symm_mem exchange, whose sums are
-        # float32 with float32 weights, folds them for the fused combine too (its weights
-        # ride with the dispatch's rows).
-        fold_w = post and ex.summation is Summation.EXPERTS and (
-            c.row_weighting_impl == "fused"
-            or (c.combine_impl == "fused" and getattr(ex, "folds_exactly", False)))
+        post = c.score_apply == "post" and not skip and c.impl == "fused"
+        # The weights enter the combine's own sum: at home, where rows come home one by one
+        # (they need not travel, and no weighting pass runs; eagerly a weighted sum at home
+        # costs more float32 passes than weighting on the expert side, so the reference
+        # weights the rows), or in the expert side's per-token sum where the exchange sums
+        # there (its weights ride with the dispatch's rows). The skipped combine keeps the
+        # expert-side weighting: its backward needs the rows there.
+        summation = self.exchange.summation
+        home_w = post and summation is Summation.HOME
+        fold_w = post and summation is Summation.EXPERTS
         return home_w, fold_w
 
     def _forward_routed(self, x2, region):
@@ -449,7 +443,7 @@ class MoELayer(nn.Module):
                                 weights=weights)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
-                                       self.exchange, handle, c.row_weighting_impl == "fused")
+                                       self.exchange, handle, c.impl == "fused")
             region.skipped += 1
         else:
             # Without a backward to come (no grad mode: a reentrant checkpoint's first

@@ -1,4 +1,4 @@
-"""combine_impl="fused" gives the eager combine's results, on one rank and over gloo."""
+"""impl="fused" gives the reference's results, on one rank and over gloo."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from moe_fn import MoEConfig, MoELayer
 from tests.dist_utils import run_distributed
 
 
-def _run(combine_impl, world=1, rank=0):
+def _run(impl, world=1, rank=0):
     backend = dict(comm_backend="all_to_all", ep_size=world) if world > 1 else {}
     cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2,
-                    combine_impl=combine_impl, **backend)
+                    impl=impl, **backend)
     layer = MoELayer(cfg)
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts
@@ -28,10 +28,10 @@ def _run(combine_impl, world=1, rank=0):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def test_fused_combine_matches_eager_single_rank(monkeypatch):
+def test_fused_combine_matches_the_reference_single_rank(monkeypatch):
     """The same numbers, and the fused path is the one that ran: the routing weights enter
     the fused sum at home (one weighted gather-sum per forward) and the dispatch's backward
-    sums each token's row gradients in the unweighted one; the eager run uses neither."""
+    sums each token's row gradients in the unweighted one; the reference uses neither."""
     import moe_fn.kernels as kernels
 
     calls = []
@@ -40,20 +40,20 @@ def test_fused_combine_matches_eager_single_rank(monkeypatch):
         monkeypatch.setattr(kernels, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name)
                             or _real(*a, **kw))
-    eager = _run("eager")
+    reference = _run("reference")
     assert calls == []
     fused = _run("fused")
     assert calls == ["weighted_gather_sum_fwd", "gather_sum_fwd"], calls
-    for a, b in zip(eager, fused):
+    for a, b in zip(reference, fused):
         torch.testing.assert_close(a, b)
 
 
 def _body(rank, world):
-    for a, b in zip(_run("eager", world, rank), _run("fused", world, rank)):
+    for a, b in zip(_run("reference", world, rank), _run("fused", world, rank)):
         torch.testing.assert_close(a, b)
     assert dist.get_world_size() == world
 
 
 @pytest.mark.multiproc
-def test_fused_combine_matches_eager_expert_parallel():
+def test_fused_combine_matches_the_reference_expert_parallel():
     run_distributed(_body, 2)

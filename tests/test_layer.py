@@ -79,7 +79,7 @@ def _cfg(**kw):
     # GPT-OSS: router and expert biases, softmax over the top-k logits.
     dict(router_bias=True, expert_bias=True, score_func="softmax_topk", norm_topk_prob=False,
          activation="swiglu_oai", gate_up_layout="interleaved"),
-    dict(expert_bias=True, gate_up_impl="separate", row_weighting_impl="fused"),
+    dict(expert_bias=True, gate_up_impl="separate", impl="reference"),
     # DeepSeek-V3 / MiniMax: a score-correction bias steers the choice, not the weights.
     dict(score_correction_bias=True, score_func="sigmoid", norm_topk_prob=True),
 ])
@@ -315,8 +315,7 @@ def _ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=tor
 
 EP_CASES = [
     dict(num_experts=8, top_k=2),
-    # Fused weighting: folded into DeepEP's per-token sum.
-    dict(num_experts=8, top_k=3, row_weighting_impl="fused"),
+    dict(num_experts=8, top_k=3),
     dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
     dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
     # Steered routing: expert 0 and the whole last rank receive no rows.
@@ -339,10 +338,10 @@ def _ep_body(rank, world, tokens_per_rank):
 
 # Every exchange (on CPUs the symm_mem exchange pulls from a gathering stand-in for
 # symmetric memory: the same index logic).
-# The fused combine weights the rows at home (combine(weights=...) and its backward).
-EXCHANGES = [dict(), dict(comm_backend="symm_mem"),
-             dict(comm_backend="symm_mem", combine_impl="fused"),
-             dict(combine_impl="fused"),
+# impl="fused" (the default) weights inside each exchange's sum: at home over all_to_all,
+# on the expert side over symm_mem and DeepEP; "reference" weights the rows first.
+EXCHANGES = [dict(), dict(impl="reference"), dict(comm_backend="symm_mem"),
+             dict(comm_backend="symm_mem", impl="reference"),
              # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
              # in its sums) over tests/fake_deep_ep.py's stand-in for its Buffer.
              dict(comm_backend="deepep")]
@@ -361,18 +360,18 @@ def test_expert_parallel_matches_single_process(world):
 def _router_only_body(rank, world):
     """Only the routing weights need a gradient (frozen experts, an input without grad):
     the home-weighted combine must still keep what its backward needs. Router gradients
-    against the eager combine (weights applied on the expert side)."""
+    against the reference (weights applied on the expert side)."""
     grads = {}
-    for combine_impl in ("fused", "eager"):
+    for impl in ("fused", "reference"):
         cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2,
-                        comm_backend="all_to_all", ep_size=world, combine_impl=combine_impl)
+                        comm_backend="all_to_all", ep_size=world, impl=impl)
         torch.manual_seed(5)
         layer = MoELayer(cfg)
         layer.experts.requires_grad_(False)
         x = torch.randn(6 + rank, 16, generator=torch.Generator().manual_seed(rank))
         layer(x).square().sum().backward()
-        grads[combine_impl] = layer.router.weight.grad
-    torch.testing.assert_close(grads["fused"], grads["eager"], rtol=1e-5, atol=1e-6)
+        grads[impl] = layer.router.weight.grad
+    torch.testing.assert_close(grads["fused"], grads["reference"], rtol=1e-5, atol=1e-6)
     assert grads["fused"].abs().sum() > 0
 
 
@@ -384,8 +383,7 @@ def test_a_combine_whose_weights_alone_need_grad_keeps_its_rows():
 def test_a_combine_told_no_backward_refuses_one():
     from moe_fn.autograd.routing import Combine
 
-    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                               combine_impl="fused"))
+    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
     x = torch.randn(5, 8)
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, 4)
@@ -413,7 +411,8 @@ def _count_collectives_body(rank, world):
 
 def _count_collectives(world, dtype):
     cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                    comm_backend="all_to_all", ep_size=world)  # weights sent with the rows
+                    comm_backend="all_to_all", ep_size=world,
+                    impl="reference")  # the weights sent with the rows, weighted there
     layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
     real, real_gather = dist.all_to_all_single, collectives.all_gather

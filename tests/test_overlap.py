@@ -157,9 +157,8 @@ def _check_order_and_failure(rank, world, **kw):
 def _body(rank, world):
     _check_gradients(rank, world)
     _check_order_and_failure(rank, world)
-    for combine_impl in ("eager", "fused"):
-        _check_gradients_other_exchange(rank, world, comm_backend="symm_mem",
-                                        combine_impl=combine_impl)
+    for impl in ("reference", "fused"):
+        _check_gradients_other_exchange(rank, world, comm_backend="symm_mem", impl=impl)
     _check_order_and_failure(rank, world, comm_backend="symm_mem")
     if world in fake_deep_ep.INTRANODE_RANKS:  # DeepEP's own exchange, over its stand-in
         fake_deep_ep.install()

@@ -87,10 +87,11 @@ def assert_same(a, b):
             torch.testing.assert_close(step_a[k], step_b[k], msg=k)
 
 
-CASES = [dict(score_apply=s, row_weighting_impl=w) for s, w in
-         itertools.product(["post", "pre"], ["eager", "fused"])] + [dict(score_apply="activation")]
-# The fused combine weights at home; a skipped recompute weights on the expert side.
-CASES.append(dict(score_apply="post", row_weighting_impl="fused", combine_impl="fused"))
+# impl="fused" weights inside the combine's sum; a skipped recompute weights on the expert
+# side.
+CASES = [dict(score_apply=s, impl=i) for s, i in
+         itertools.product(["post", "pre"], ["reference", "fused"])]
+CASES.append(dict(score_apply="activation"))
 
 
 def _cfg(world, **kw):
@@ -101,10 +102,7 @@ def _cfg(world, **kw):
 
 def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
-    cases = [dict(c, **exchange_kw) for c in CASES
-             # DeepEP combines in its own one-pass sums.
-             if not (exchange_kw.get("comm_backend") == "deepep"
-                     and c.get("combine_impl") == "fused")]
+    cases = [dict(c, **exchange_kw) for c in CASES]
     for kw in cases:
         ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
         for mode, skip in [("reentrant", False), ("reentrant", True),

@@ -48,9 +48,6 @@ class SymmMemExchange(Exchange):
     # weights enter those float32 sums (``combine(weights=row_weights)``), delivered with
     # the rows by the dispatch.
     summation = Summation.EXPERTS
-    # Those sums are float32 with the float32 weights the dispatch delivered, as a sum at
-    # home would be: the layer folds the weights for the fused combine too.
-    folds_exactly = True
     # Moves of token rows to the experts read each token once per rank, however many of
     # its rows this rank computes (False: once per row, the plain pull; benchmarks compare).
     read_tokens_once = True

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MoEConfig, _positive_int
+from ..config import REMOVED_OPTIONS, MoEConfig, _positive_int
 from ..layer import MoELayer
 from ..pure.router import sorted_topk
 from ..replay import wrap_checkpoint
@@ -389,6 +389,9 @@ def resolve_preset(model: nn.Module, preset: str | None = None) -> Preset:
 
 
 def _check_options(options: dict, moe_layer_pattern, preset: Preset) -> None:
+    for name in options:
+        if name in REMOVED_OPTIONS:
+            raise ValueError(f"option {name!r} was removed: use {REMOVED_OPTIONS[name]}")
     derived = sorted(set(options) & set(DERIVED))
     if derived:
         raise ValueError(f"{derived} are set by the preset from the model (routing, sizes, "
@@ -494,8 +497,8 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
     gate_up_impl, score_apply ("post" or "activation"; "pre" is refused; Llama-4's is
     "pre", set by its preset, and refused as an option),
-    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, overlap_weight_grad,
-    skip_recompute_combine, recompute_in_checkpoint.
+    impl, comm_backend, comm_num_sm, overlap_weight_grad, skip_recompute_combine,
+    recompute_in_checkpoint; every default is MoEConfig's (the fastest correct choice).
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, a
     block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or

@@ -22,8 +22,7 @@ H, I, E = 256, 128, 16
 
 def _grads(rank, world, device, dtype, tokens, backend, **kw):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=4,
-                    comm_backend=backend, ep_size=world,
-                    row_weighting_impl="fused", combine_impl="fused", **kw)
+                    comm_backend=backend, ep_size=world, **kw)
     layer = MoELayer(cfg, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts

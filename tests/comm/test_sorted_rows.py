@@ -57,16 +57,16 @@ def _body(rank, world, tokens):
     # Plain routing, fused weighting, top-k = E/ep, and the route steered off expert 0 and
     # off the last rank (which then keeps and receives no row).
     cases = [EP_CASES[0], EP_CASES[1], EP_CASES[3], EP_CASES[4]]
-    for combine_impl in ("eager", "fused"):
+    for impl in ("reference", "fused"):
         for n, kw in enumerate(cases):
             kw = dict(kw, num_experts=4 * world)  # divisible by the world
             if kw["top_k"] == "E/ep":
                 kw["top_k"] = kw["num_experts"] // world
             calls.clear()
-            _ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
+            _ep_case(rank, world, kw, tokens, 99 + n, dict(impl=impl),
                      dtype=torch.float32)
             # (_ep_case ends with a forward without grad mode.)
-            if combine_impl == "fused" and kw.get("score_apply", "post") == "post":
+            if impl == "fused" and kw.get("score_apply", "post") == "post":
                 # The dispatch places own rows and arrivals; the weighted combine, whose
                 # backward needs the rows, buffers them (its sum is the op, not counted
                 # here); that backward writes the own rows' gradients in place and places
@@ -75,7 +75,7 @@ def _body(rank, world, tokens):
                 assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter",
                                  "copy_rows", "sum_own",
                                  "copy_rows", "copy_rows", "sum_own"], calls
-            elif combine_impl == "fused":
+            elif impl == "fused":
                 # The unweighted combine's backward needs no rows: in place either way. The
                 # routing weights ride in the dispatch's row copies; their gradients come
                 # home packed behind the row gradients (the own ones where they are) and
@@ -85,13 +85,11 @@ def _body(rank, world, tokens):
                                  "copy_rows_values", "copy_rows_values", "sum_own"], calls
             else:
                 # The dispatch places own rows and arrivals with their routing weights (the
-                # expert side applies them: the eager combine sums unweighted; fused row
-                # weighting in its kernel, once per forward); so does the combine's
-                # backward, a dispatch of the output gradient, without weights. The eager
-                # sums are torch ops.
+                # expert side applies them, in torch ops, and the reference combine sums
+                # unweighted); so does the combine's backward, a dispatch of the output
+                # gradient, without weights. The reference sums are torch ops.
                 moves = ["copy_rows_values"] * 2
-                rw = ["row_weight"] if kw.get("row_weighting_impl") == "fused" else []
-                assert calls == [*moves, *rw, "copy_rows", "copy_rows", *moves, *rw], calls
+                assert calls == [*moves, "copy_rows", "copy_rows", *moves], calls
 
 
 
@@ -122,7 +120,7 @@ def _skip_body(rank, world):
     grads = []
     for skip in (True, False):
         cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=3,
-                        row_weighting_impl="fused", comm_backend="all_to_all", ep_size=world,
+                        comm_backend="all_to_all", ep_size=world,
                         skip_recompute_combine=skip)
         torch.manual_seed(3)  # the same weights on every rank and in both layers
         layer = MoELayer(cfg)

@@ -121,19 +121,16 @@ def test_layout_and_moves_match_a_brute_force_oracle(world):
 
 def _placement_body(rank, world):
     from moe_fn import MoEConfig, MoELayer
-    for impl, row_impl, want in [("fused", "eager", (False, True)),
-                                 ("fused", "fused", (False, True)),
-                                 ("eager", "fused", (False, True)),
-                                 ("eager", "eager", (False, False))]:
+    for impl, symm_want, collective_want in [("fused", (False, True), (True, False)),
+                                             ("reference", (False, False), (False, False))]:
         cfg = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                   comm_backend="all_to_all", ep_size=world, combine_impl=impl,
-                   row_weighting_impl=row_impl)
+                   comm_backend="all_to_all", ep_size=world, impl=impl)
+        # symm_mem sums on the expert side, with the float32 weights the dispatch delivers:
+        # the fused path folds them into those sums; all_to_all weights at home.
         symm = MoELayer(MoEConfig(**dict(cfg, comm_backend="symm_mem")))
-        # symm_mem sums in float32 with the dispatch's float32 weights: the fused combine
-        # folds them into the expert side's sums instead of weighting at home.
-        assert symm._weight_placement() == want, (impl, row_impl)
+        assert symm._weight_placement() == symm_want, impl
         collective = MoELayer(MoEConfig(**cfg))
-        assert collective._weight_placement() == (impl == "fused", False), (impl, row_impl)
+        assert collective._weight_placement() == collective_want, impl
 
 
 @pytest.mark.multiproc

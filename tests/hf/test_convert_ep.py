@@ -81,9 +81,9 @@ def _all_presets(rank, world):
         for name in ("qwen3_moe", "gpt_oss", *(["llama4"] if "llama4" in AVAILABLE else [])):
             _check_preset(rank, world, name, ckpt, comm_backend="symm_mem",
                           skip_recompute_combine=ckpt)
-            # Routing weights applied inside the fused combine at home (biases included).
-            _check_preset(rank, world, name, ckpt, combine_impl="fused",
-                          row_weighting_impl="fused", skip_recompute_combine=ckpt)
+            # The reference weighting and combine (the default fuses them), with the skip.
+            _check_preset(rank, world, name, ckpt, impl="reference",
+                          skip_recompute_combine=ckpt)
             # DeepEP's exchange (over tests/fake_deep_ep.py's stand-in), with the skip.
             _check_preset(rank, world, name, ckpt, comm_backend="deepep",
                           skip_recompute_combine=ckpt)

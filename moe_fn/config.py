@@ -1,4 +1,5 @@
-"""MoEConfig: every option of an MoE layer, validated once when built (fail closed)."""
+"""MoEConfig: every option of an MoE layer, documented one by one and grouped (routing,
+experts, exchange, checkpointing), validated once when built (fail closed)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,51 @@ REMOVED_OPTIONS = {
 }
 
 
-def _refusing_removed_options(cls):
-    """A removed option raises ValueError naming its replacement (attrs would raise a bare
+# The option groups, in the order help(MoEConfig) and docs/config.md list them.
+GROUPS = {
+    "routing": "Routing: which experts each token chooses, and its routing weights.",
+    "experts": "Experts: the expert MLP and how it is computed.",
+    "exchange": "Exchange: how rows move between the ranks of an expert-parallel group "
+                "(docs/exchanges.md), and how the routing weights and the combine's sums "
+                "are computed.",
+    "checkpointing": "Checkpointing: what the layer does inside moe_fn.checkpoint or an HF "
+                     "checkpointed block.",
+}
+
+
+def option(default=attrs.NOTHING, *, group: str, doc: str):
+    """A documented MoEConfig field: ``group`` one of ``GROUPS``, ``doc`` what it means and
+    what it takes, shown by ``help(MoEConfig)`` and ``docs/config.md``. A new option is one
+    ``name: type = option(default, group=..., doc=...)`` line in its group of
+    ``MoEConfig``, plus, where it needs one, a check in ``__attrs_post_init__``."""
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {tuple(GROUPS)}, got {group!r}")
+    return attrs.field(default=default, metadata={"group": group, "doc": doc})
+
+
+def _options_doc(cls) -> str:
+    """The per-option part of the class docstring, grouped, from the fields' metadata."""
+    lines = []
+    for group, title in GROUPS.items():
+        lines += ["", "    " + title, ""]
+        for f in attrs.fields(cls):
+            if f.metadata["group"] == group:
+                default = "" if f.default is attrs.NOTHING else f" = {f.default!r}"
+                lines.append(f"    ``{f.name}``{default}")
+                lines += ["        " + line for line in f.metadata["doc"].splitlines()]
+    return "\n".join(lines)
+
+
+def _documented(cls):
+    """Every option's documentation appended, grouped, to the class docstring; and a
+    removed option raising ValueError naming its replacement (attrs would raise a bare
     TypeError for an unknown keyword)."""
+    undocumented = [f.name for f in attrs.fields(cls)
+                    if f.metadata.get("group") not in GROUPS or not f.metadata.get("doc")]
+    if undocumented:
+        raise TypeError(f"MoEConfig options without a group and documentation (use "
+                        f"option()): {undocumented}")
+    cls.__doc__ = cls.__doc__.rstrip() + "\n" + _options_doc(cls) + "\n    "
     init = cls.__init__
 
     @functools.wraps(init)
@@ -74,62 +117,119 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-@_refusing_removed_options
+@_documented
 @attrs.frozen(kw_only=True)
 class MoEConfig:
-    """Options of one MoE layer. Built once; invalid combinations raise ``ValueError``.
+    """Options of one MoE layer. Built once; an invalid option or combination raises
+    ``ValueError`` naming the fix, and a removed option raises ``ValueError`` naming what
+    replaced it. Every default is the fastest correct choice measured (bench/RESULTS.md);
+    slower paths are options, kept as references or for what they trade (memory, a
+    contract)."""
 
-    Sizes: ``hidden_size`` H, ``intermediate_size`` I (per expert), ``num_experts`` E,
-    ``top_k`` experts per token. Routing: ``score_func``, ``norm_topk_prob``, expert groups
-    (``n_group``, ``topk_group``, ``group_score``), ``score_correction_bias`` (a buffer that
-    biases the choice only), ``routed_scaling_factor``. Experts: ``activation`` (with
-    ``activation_alpha``/``activation_limit``; None = the activation's default),
-    ``gate_up_layout`` and ``gate_up_impl``. Where routing weights apply: ``score_apply``
-    ("post" after the experts, "pre" on their input rows, "activation" folded into the
-    activation). Biases (GPT-OSS): ``router_bias`` adds a learned ``(E,)`` bias to the
-    router logits; ``expert_bias`` adds ``gate_up_proj_bias (E, 2I)`` after gate+up and
-    ``down_proj_bias (E, H)`` after down, inside each expert, and needs
-    ``score_apply="post"`` (the routing weight scales the whole expert output, down bias
-    included). Exchange: ``comm_backend``, ``ep_size``, ``comm_num_sm`` (SMs the
-    communication kernels use and that overlapped GEMMs leave free). ``comm_backend``
-    ``"all_to_all"`` moves rows with ``all_to_all_single``; ``"symm_mem"`` publishes what
-    each rank holds in torch symmetric memory and the others read it over NVLink straight
-    into place — each token once per rank for the dispatch, one float32 partial per
-    (token, rank) for the combine — CUDA ranks of one host; on CPUs a gathering stand-in
-    runs the same logic.
-    Checkpointing:
-    ``skip_recompute_combine`` (see the README's contract) and ``recompute_in_checkpoint``
-    (False: inside a ``moe_fn.checkpoint`` / HF checkpointed block the layer keeps its
-    activations from the forward and is not recomputed, trading the memory of an unchecked
-    MoE layer for its second forward).
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_experts: int
-    top_k: int
-    activation: str = "swiglu"
-    activation_alpha: float | None = None
-    activation_limit: float | None = None
-    gate_up_layout: str = "halves"
-    gate_up_impl: str = "fused"
-    score_func: str = "softmax"
-    norm_topk_prob: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    group_score: str = "top2_sum"
-    score_correction_bias: bool = False
-    routed_scaling_factor: float = 1.0
-    router_bias: bool = False
-    expert_bias: bool = False
-    score_apply: str = "post"
-    impl: str = "fused"
-    comm_backend: str = "local"
-    ep_size: int = 1
-    comm_num_sm: int = 20
-    overlap_weight_grad: bool = False
-    skip_recompute_combine: bool = False
-    recompute_in_checkpoint: bool = True
+    # ---- routing ---------------------------------------------------------------------------
+    num_experts: int = option(group="routing", doc="E, the routed experts.")
+    top_k: int = option(group="routing", doc="k, the experts each token is sent to.")
+    score_func: str = option(
+        "softmax", group="routing",
+        doc="How router logits become scores: 'softmax', 'sigmoid' or 'softmax_topk'\n"
+            "(a softmax over the chosen experts' logits).")
+    norm_topk_prob: bool = option(
+        True, group="routing", doc="Normalise the chosen experts' weights to sum to 1.")
+    n_group: int = option(
+        1, group="routing",
+        doc="Expert groups (DeepSeek-V3): the experts split into n_group groups, of which\n"
+            "each token chooses its experts from topk_group.")
+    topk_group: int = option(1, group="routing",
+                             doc="Groups each token may choose its experts from.")
+    group_score: str = option(
+        "top2_sum", group="routing",
+        doc="How a group is scored for that choice: 'top2_sum' (its two best scores) or\n"
+            "'max'.")
+    score_correction_bias: bool = option(
+        False, group="routing",
+        doc="A (E,) float32 buffer added to the scores for the choice only, not the\n"
+            "weights (DeepSeek-V3's load-balancing bias).")
+    routed_scaling_factor: float = option(
+        1.0, group="routing", doc="A positive, finite factor scaling every routing weight.")
+    router_bias: bool = option(
+        False, group="routing", doc="A learned (E,) bias on the router logits (GPT-OSS).")
+    score_apply: str = option(
+        "post", group="routing",
+        doc="Where the routing weights apply: 'post' (on the experts' outputs), 'pre' (on\n"
+            "their input rows, Llama-4) or 'activation' (folded into the activation).")
+    # ---- experts ---------------------------------------------------------------------------
+    hidden_size: int = option(group="experts", doc="H, the width of a token's row.")
+    intermediate_size: int = option(
+        group="experts", doc="I, each expert's hidden width (gate_up_proj is (E, 2I, H)).")
+    activation: str = option(
+        "swiglu", group="experts", doc=f"The gated activation, one of {ACTIVATIONS}.")
+    activation_alpha: float | None = option(
+        None, group="experts",
+        doc="The activation's alpha (swiglu_oai's sigmoid scale); None: its default.")
+    activation_limit: float | None = option(
+        None, group="experts",
+        doc="The activation's clamp limit (swiglu_clamped, swiglu_oai; positive); None:\n"
+            "its default.")
+    gate_up_layout: str = option(
+        "halves", group="experts",
+        doc=f"How gate_up_proj packs gate and up, one of {LAYOUTS}: 'halves' (HF's\n"
+            "[gate; up]) or 'interleaved' (GPT-OSS's alternating rows).")
+    gate_up_impl: str = option(
+        "fused", group="experts",
+        doc="'fused': one grouped GEMM over the packed (E, 2I, H) weight and an activation\n"
+            "kernel reading both halves in place; 'separate': two GEMMs (slower).")
+    expert_bias: bool = option(
+        False, group="experts",
+        doc="Biases inside each expert (GPT-OSS): gate_up_proj_bias (E, 2I) after gate+up\n"
+            "and down_proj_bias (E, H) after down. Needs score_apply='post' (the weight\n"
+            "scales the whole expert output, down bias included).")
+    # ---- exchange --------------------------------------------------------------------------
+    comm_backend: str = option(
+        "local", group="exchange",
+        doc=f"The exchange, one of {COMM_BACKENDS} (docs/exchanges.md). 'local': one rank.\n"
+            "'all_to_all': one row per (token, expert) over all_to_all_single (NCCL or\n"
+            "gloo; any ranks, across hosts). 'symm_mem': tokens read once per rank from\n"
+            "torch symmetric memory over NVLink, float32 partial sums on the expert side\n"
+            f"(CUDA GPUs of one host, at most {PEER_MAX_RANKS} ranks; over gloo a gathering\n"
+            "stand-in). 'deepep': DeepEP's intranode Buffer (CUDA, bf16, ep_size 2/4/8;\n"
+            "DeepEP built from source).")
+    ep_size: int = option(
+        1, group="exchange",
+        doc="Ranks of the expert-parallel group; rank r owns experts\n"
+            "[r*E/ep_size, (r+1)*E/ep_size). Must divide num_experts.")
+    impl: str = option(
+        "fused", group="exchange",
+        doc="How the routing weights are applied and the combine's sums computed.\n"
+            "'fused' (the fastest for every exchange): Triton passes; with\n"
+            "score_apply='post' the weights enter the combine's own sum where the\n"
+            "exchange sums a token's rows (at home over local and all_to_all, on the\n"
+            "expert side over symm_mem and deepep), so no weighting pass runs.\n"
+            "'reference': plain PyTorch (rows * w, then a gather and a sum); slower, the\n"
+            "oracle of 'fused'.")
+    comm_num_sm: int = option(
+        20, group="exchange",
+        doc="SMs the communication takes: DeepEP's kernels (even), the symm_mem pulls of\n"
+            "an overlapped backward, and the SMs the overlap withholds from the\n"
+            "weight-gradient GEMMs. At EP2 the overlapped backward was fastest at 20 over\n"
+            "all_to_all and symm_mem, and within 5% of its best (24) over deepep\n"
+            "(bench/RESULTS.md, issue 5).")
+    overlap_weight_grad: bool = option(
+        False, group="exchange",
+        doc="Run the experts' weight-gradient GEMMs beside the backward combine of dX\n"
+            "(expert parallelism only; needs torch's SM carveout). Over all_to_all with\n"
+            "NCCL, cap NCCL's CTAs at comm_num_sm (ProcessGroupNCCL.Options), as the\n"
+            "measurements did.")
+    # ---- checkpointing ---------------------------------------------------------------------
+    skip_recompute_combine: bool = option(
+        False, group="checkpointing",
+        doc="In a reentrant checkpoint's recompute, record the combine (and post-expert\n"
+            "weighting) instead of running it; the output is a NaN sentinel. Correct only\n"
+            "where the MoE output feeds nothing but the block's residual add (README's\n"
+            "contract), hence off by default.")
+    recompute_in_checkpoint: bool = option(
+        True, group="checkpointing",
+        doc="False: inside a checkpoint the layer keeps its activations from the forward\n"
+            "and is not recomputed (faster, at the memory of an unchecked MoE layer).")
 
     def __attrs_post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group",
@@ -228,3 +328,25 @@ class MoEConfig:
     def act_static(self) -> tuple[int, float, float]:
         """(act_id, alpha, limit) as the pure pairs and kernels take them."""
         return resolve_activation(self.activation, self.activation_alpha, self.activation_limit)
+
+
+def options_markdown() -> str:
+    """Every MoEConfig option, grouped, as the Markdown of ``docs/config.md``."""
+    out = ["# MoEConfig options", "",
+           "Generated from the fields' documentation in `moe_fn/config.py` (`help(moe_fn."
+           "MoEConfig)` shows the same); regenerate with `python -c \"import moe_fn.config "
+           "as c; print(c.options_markdown(), end='')\" > docs/config.md`.", ""]
+    for group, title in GROUPS.items():
+        out += [f"## {group}", "", title, "", "| option | default | meaning |",
+                "|---|---|---|"]
+        for f in attrs.fields(MoEConfig):
+            if f.metadata["group"] == group:
+                default = "required" if f.default is attrs.NOTHING else f"`{f.default!r}`"
+                doc = " ".join(f.metadata["doc"].split()).replace("|", "\\|")
+                out.append(f"| `{f.name}` | {default} | {doc} |")
+        out.append("")
+    out += ["## removed", "", "Passing one raises `ValueError` naming its replacement:", ""]
+    out += [f"- `{name}`: use {repl}" for name, repl in REMOVED_OPTIONS.items()]
+    out += [f"- `{name}={value!r}`: use {repl}" for name, values in REMOVED_VALUES.items()
+            for value, repl in values.items()]
+    return "\n".join(out) + "\n"

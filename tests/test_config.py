@@ -164,3 +164,64 @@ def test_only_what_takes_sms_reads_comm_num_sm():
     assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="symm_mem")))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))
     assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="deepep")))
+
+
+def test_every_option_is_documented_in_its_group_and_in_help():
+    import pydoc
+
+    import attrs
+
+    from moe_fn.config import GROUPS
+
+    text = pydoc.render_doc(MoEConfig, renderer=pydoc.plaintext)
+    for f in attrs.fields(MoEConfig):
+        assert f.metadata["group"] in GROUPS and f.metadata["doc"].strip(), f.name
+        assert f"``{f.name}``" in text, f.name
+    assert all(title in text for title in GROUPS.values())
+
+
+def test_docs_config_md_is_generated_from_the_options():
+    """docs/config.md is what options_markdown() writes (regenerate it after changing an
+    option: the command is in its first lines)."""
+    import os
+
+    from moe_fn.config import options_markdown
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "config.md")
+    with open(path) as f:
+        assert f.read() == options_markdown()
+
+
+def test_an_option_needs_a_known_group_and_documentation():
+    import attrs
+
+    from moe_fn.config import _documented, option
+
+    with pytest.raises(ValueError, match="group must be one of"):
+        option(1, group="no such group", doc="x")
+
+    @attrs.frozen(kw_only=True)
+    class Partial:
+        a: int = option(1, group="routing", doc="documented")
+        b: int = 2
+
+    with pytest.raises(TypeError, match=r"without a group and documentation.*\['b'\]"):
+        _documented(Partial)
+
+
+@pytest.mark.parametrize("name,value,replacement", [
+    ("row_weighting_impl", "fused", "impl='fused'"),
+    ("combine_impl", "eager", "impl='reference'"),
+    ("all_to_all_transport", "symm_mem", "comm_backend='symm_mem'"),
+    ("all_to_all_dedup", True, "comm_backend="),
+])
+def test_a_removed_option_names_its_replacement_in_moe_config_and_convert(name, value,
+                                                                          replacement):
+    from moe_fn.hf.convert import _check_options
+    from moe_fn.hf.presets import PRESETS
+
+    with pytest.raises(ValueError, match=f"{name}' was removed: use .*{replacement}"):
+        MoEConfig(**BASE, **{name: value})
+    with pytest.raises(ValueError, match=f"{name}' was removed: use .*{replacement}"):
+        _check_options({name: value}, None, next(iter(PRESETS.values())))

@@ -197,6 +197,6 @@ def check_combine_weights(exchange: Exchange, weights, rows, handle) -> None:
     want = ((handle.plan.num_tokens, handle.plan.top_k)
             if exchange.summation is Summation.HOME else (rows.shape[0],))
     if tuple(weights.shape) != want:
-        raise ValueError(f"the {exchange.backend} exchange sums at "
-                         f"{exchange.summation.value}: its combine takes weights of shape "
-                         f"{want}, got {tuple(weights.shape)}")
+        where = "at home" if exchange.summation is Summation.HOME else "on the expert side"
+        raise ValueError(f"the {exchange.backend} exchange sums a token's rows {where}: its "
+                         f"combine takes weights of shape {want}, got {tuple(weights.shape)}")

@@ -20,7 +20,7 @@ from bench import harness  # noqa: E402
 # (rounds, warm-up rounds) per benchmark: GPU rounds are cheap, CPU ones are not.
 DEFAULT_ROUNDS = (20, 5) if harness.HAS_CUDA else (5, 1)
 # The arms others are compared with, in this order of preference.
-REFERENCE_ARMS = ("torch", "transformers", "moe_fn-fused", "unchecked", "triton")
+REFERENCE_ARMS = ("torch", "transformers", "moe_fn-reference", "unchecked", "triton")
 
 
 def pytest_addoption(parser):

@@ -14,16 +14,16 @@ micro-batch 1 per rank, bf16, AdamW (fused; --optimizer foreach), HF gradient ch
 EP mode (torchrun, NCCL; every rank holds E/ep experts and the replicated dense weights;
 each rank trains on its own tokens, the dense gradients are not all-reduced, which costs
 every arm alike): one model + optimizer per arm, all built from the same initial weights:
-``off`` (separate gate+up, eager weighting and combine, no overlap, no skip), each option
-alone (``fused_gate_up``, ``overlap`` with comm_num_sm 20, ``skip``, ``fused_weighting`` =
-fused row weighting and combine), ``all_on``, and ``all_on_kept`` (all on, but the MoE
-layers keep their activations instead of being recomputed: ``recompute_in_checkpoint=
-False``, which leaves the skip nothing to skip). Arms run round-robin (one step of each
-arm, then the next step) so clock and thermal drift hit every arm alike; every arm sees the
-same batches. Per arm: the median step time (CUDA events around zero_grad + forward +
-backward + optimizer step, max over ranks), its steps' peak memory above what every arm
-keeps resident (activations, gradients, temporaries), and every step's
-loss (mean over ranks): step 1 losses agree across arms up to bf16 rounding.
+``off`` (separate gate+up, the reference weighting and combine, no overlap, no skip), each
+option alone (``fused_gate_up``, ``overlap`` with comm_num_sm 20, ``skip``,
+``fused_weighting`` = ``impl="fused"``: fused row weighting and combine), ``all_on``, and
+``all_on_kept`` (all on, but the MoE layers keep their activations instead of being
+recomputed: ``recompute_in_checkpoint=False``, which leaves the skip nothing to skip). Arms
+run round-robin (one step of each arm, then the next step) so clock and thermal drift hit
+every arm alike; every arm sees the same batches. Per arm: the median step time (CUDA events
+around zero_grad + forward + backward + optimizer step, max over ranks), its steps' peak
+memory above what every arm keeps resident (activations, gradients, temporaries), and every
+step's loss (mean over ranks): step 1 losses agree across arms up to bf16 rounding.
 
 ``--single`` (one GPU, no torchrun): the unconverted model with transformers' grouped_mm
 experts against the converted model on the local backend (every ep-1 option on; and
@@ -52,8 +52,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import CudaEventClock, benchmark_entry, write_benchmark_json
-from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.hf import convert
+from moe_fn.resources import release_comm_resources
 
 RANK, WORLD = 0, 1
 
@@ -67,24 +67,18 @@ TINY = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             max_position_embeddings=256)
 
-OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
-           overlap_weight_grad=False, skip_recompute_combine=False)
+OFF = dict(gate_up_impl="separate", impl="reference", overlap_weight_grad=False,
+           skip_recompute_combine=False)
 
 
 def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
-    # DeepEP and the token-once all_to_all sum on the expert side in their own kernels
-    # (symm_mem does too, and folds the weights into those sums for the fused combine).
-    fused_combine = ("fused" if comm in ("all_to_all", "all_to_all_symm", "all_to_all_ce",
-                                         "all_to_all_reg")
-                     else "eager")
     arms = {
         "off": OFF,
         "fused_gate_up": OFF | dict(gate_up_impl="fused"),
         "overlap": OFF | dict(overlap_weight_grad=True, comm_num_sm=comm_num_sm),
         "skip": OFF | dict(skip_recompute_combine=True),
-        "fused_weighting": OFF | dict(row_weighting_impl="fused", combine_impl=fused_combine),
-        "all_on": dict(gate_up_impl="fused", row_weighting_impl="fused",
-                       combine_impl=fused_combine, overlap_weight_grad=True,
+        "fused_weighting": OFF | dict(impl="fused"),
+        "all_on": dict(gate_up_impl="fused", impl="fused", overlap_weight_grad=True,
                        comm_num_sm=comm_num_sm, skip_recompute_combine=True),
     }
     # Every option on, but the MoE layers keep their activations instead of being
@@ -93,19 +87,12 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
                                                 recompute_in_checkpoint=False)
     if comm == "deepep":
         arms = {k: v | dict(comm_backend="deepep") for k, v in arms.items()}
-    if comm == "all_to_all_dedup":
-        arms = {k: v | dict(all_to_all_dedup=True) for k, v in arms.items()}
     if comm == "all_to_all_symm":
-        arms = {k: v | dict(all_to_all_transport="symm_mem") for k, v in arms.items()}
-    if comm == "all_to_all_ce":  # the row all_to_all over the copy engines
-        arms = {k: v | dict(all_to_all_transport="copy_engine") for k, v in arms.items()}
-    if comm == "all_to_all_reg":  # the row all_to_all over NCCL-registered buffers
-        arms = {k: v | dict(all_to_all_transport="registered") for k, v in arms.items()}
+        arms = {k: v | dict(comm_backend="symm_mem") for k, v in arms.items()}
     return arms
 
 
-SINGLE_ON = dict(gate_up_impl="fused", row_weighting_impl="fused", combine_impl="fused",
-                 skip_recompute_combine=True)
+SINGLE_ON = dict(gate_up_impl="fused", impl="fused", skip_recompute_combine=True)
 
 
 def say(*a):
@@ -439,8 +426,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="sequence length (4096; tiny 64)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--comm-num-sm", type=int, default=20)
-    ap.add_argument("--comm", choices=("all_to_all", "all_to_all_dedup", "all_to_all_symm",
-                                       "all_to_all_ce", "all_to_all_reg", "deepep"),
+    ap.add_argument("--comm", choices=("all_to_all", "all_to_all_symm",
+                                       "deepep"),
                     default="all_to_all")
     ap.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                     help="AdamW implementation on CUDA (every arm alike)")
@@ -544,7 +531,7 @@ def main(argv=None):
     plot(results, png_path)
     if distributed:
         dist.barrier()
-        release_exchange_buffers()  # while NCCL lives
+        release_comm_resources()  # while NCCL lives
         dist.destroy_process_group()
 
 

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import os
@@ -35,9 +34,9 @@ import moe_fn
 from bench.harness import CLOCK, entries_from_tables, environment, write_benchmark_json
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.autograd.routing import Combine
-from moe_fn.comm.teardown import release_exchange_buffers
 from moe_fn.pure.activations import resolve_layout
 from moe_fn.pure.experts import experts_bwd_input, experts_bwd_weight, experts_fwd
+from moe_fn.resources import release_comm_resources
 
 RANK = WORLD = 0
 
@@ -74,14 +73,10 @@ ONLY_BACKENDS = None  # --backends: a subset to run
 
 
 def backends(have_deepep):
-    # "all_to_all_symm": all_to_all pulling rows from peer memory (all_to_all_transport=
-    # "symm_mem"); "all_to_all_dedup": sending each token once per rank (all_to_all_dedup).
+    # "all_to_all_symm": the symm_mem exchange (comm_backend="symm_mem");
     # "all_to_all_symm_rowwise": the same, reading a token once per row, not once per rank.
-    # "all_to_all_ce": the collective's rows pulled by copy engines (all_to_all_transport=
-    # "copy_engine"); "all_to_all_reg": the collective over NCCL-registered buffers
-    # (all_to_all_transport="registered").
-    names = (["all_to_all", "all_to_all_reg", "all_to_all_ce", "all_to_all_symm",
-              "all_to_all_symm_rowwise", "all_to_all_dedup"] + (["deepep"] if have_deepep else []))
+    names = (["all_to_all", "all_to_all_symm", "all_to_all_symm_rowwise"]
+             + (["deepep"] if have_deepep else []))
     if ONLY_BACKENDS is None:
         return names
     return [b for b in ONLY_BACKENDS if b in names]  # in the order given
@@ -106,15 +101,7 @@ def build(cfg_kw, backend, seed=0, group=None, **extra):
     rw = torch.randn(e, full.hidden_size, device="cuda") * 0.05
     rowwise = backend == "all_to_all_symm_rowwise"
     if backend.startswith("all_to_all_symm"):
-        backend, extra["all_to_all_transport"] = "all_to_all", "symm_mem"
-    if backend == "all_to_all_ce":
-        backend, extra["all_to_all_transport"] = "all_to_all", "copy_engine"
-    if backend == "all_to_all_reg":
-        backend, extra["all_to_all_transport"] = "all_to_all", "registered"
-    if backend == "all_to_all":  # the fused combine (DeepEP combines in its own kernel)
-        extra.setdefault("combine_impl", "fused")
-    if backend == "all_to_all_dedup":
-        backend, extra["all_to_all_dedup"] = "all_to_all", True
+        backend = "symm_mem"
     cfg = MoEConfig(**cfg_kw, comm_backend=backend, ep_size=WORLD, **extra)
     layer = MoELayer(cfg, group, device="cuda", dtype=torch.bfloat16)
     if rowwise:
@@ -132,7 +119,7 @@ def parity(have_deepep, results):
     t = 512
     for backend in backends(have_deepep):
         layer, (rw, gu, dn) = build(kw, backend)
-        ref = MoELayer(MoEConfig(**kw, combine_impl=layer.config.combine_impl), device="cuda",
+        ref = MoELayer(MoEConfig(**kw, impl=layer.config.impl), device="cuda",
                        dtype=torch.bfloat16)
         with torch.no_grad():
             ref.router.weight.copy_(rw)
@@ -179,14 +166,14 @@ def dispatch_once(layer, x):
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, layer.config.num_experts)
     sent_w = None if layer._weight_placement()[0] else w
-    rows, row_w, handle = ex.dispatch_fwd(x, sent_w, ex.layout(plan))
+    rows, row_w, handle = ex.dispatch(x, sent_w, ex.layout(plan))
     return w, sent_w, plan, rows, row_w, handle
 
 
 def layer_bench(have_deepep, results, tokens, reps):
     flops = 2 * tokens * 8 * 2048 * 3 * 768
     for backend in backends(have_deepep):
-        layer, _ = build(QWEN, backend, row_weighting_impl="fused")
+        layer, _ = build(QWEN, backend)
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
 
@@ -212,15 +199,15 @@ def layer_bench(have_deepep, results, tokens, reps):
 
             def fresh():
                 p = moe_fn.layer.make_route_plan(plan.topk_idx, layer.config.num_experts)
-                ex.dispatch_fwd(x, sent_w, ex.layout(p))
+                ex.dispatch(x, sent_w, ex.layout(p))
 
             def cached():
-                ex.dispatch_fwd(x, sent_w, handle, cached=True)
+                ex.dispatch(x, sent_w, handle, cached=True)
 
             def combine(needs_grad=True):  # as the layer's forward combines, weights where
                 # it puts them, keeping what a backward needs unless told it will not run
-                Combine.apply(rows, ex, handle, w if home_w else None,
-                              row_w if fold_w else None, needs_grad)
+                Combine.apply(rows, ex, handle, w if home_w else row_w if fold_w else None,
+                              needs_grad)
             t_fresh, t_cached, t_comb = timed(fresh, reps), timed(cached, reps), timed(combine,
                                                                                        reps)
             # The same from a busy GPU (1 ms queued first): the moves' GPU time, where the
@@ -237,7 +224,7 @@ def layer_bench(have_deepep, results, tokens, reps):
                     [(None, combine), (None, lambda: combine(False))], reps)
                 no_grad = {"combine_keeping_rows_ms": statistics.median(kept),
                            "combine_no_grad_ms": statistics.median(in_place)}
-        # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (dedup, DeepEP)
+        # Bytes that cross between ranks, bf16: rows (all_to_all) or tokens (DeepEP)
         # not kept locally.
         if backend.startswith("all_to_all_symm"):  # the route's rows for other ranks' experts
             per_rank = plan.counts.reshape(WORLD, -1).sum(1).tolist()
@@ -257,8 +244,7 @@ def layer_bench(have_deepep, results, tokens, reps):
         if backend.startswith("all_to_all"):
             # Raw all_to_all_single of the (token, expert) rows this route moves between
             # ranks (what crosses NVLink row by row), and of every row including each
-            # rank's own (what a plain implementation sends). The dedup path delivers the
-            # same rows while sending each token once per rank.
+            # rank's own (what a plain implementation sends).
             full_send = plan.counts.reshape(WORLD, -1).sum(1)
             full_recv = torch.empty_like(full_send)
             dist.all_to_all_single(full_recv, full_send)
@@ -266,13 +252,9 @@ def layer_bench(have_deepep, results, tokens, reps):
             rem_send, rem_recv = list(full_send), list(full_recv)
             rem_send[RANK] = rem_recv[RANK] = 0
             raws = [("raw_remote", rem_send, rem_recv), ("raw_all", full_send, full_recv)]
-            if backend == "all_to_all_reg":  # raw over registered buffers too
-                raws.append(("raw_remote_registered", rem_send, rem_recv))
             for name, ss, rs in raws:
-                with (ex._comm_memory(x.device) if name.endswith("registered")
-                      else contextlib.nullcontext()):
-                    send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
-                    recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
+                send = torch.randn(sum(ss), 2048, device="cuda", dtype=torch.bfloat16)
+                recv = torch.empty(sum(rs), 2048, device="cuda", dtype=torch.bfloat16)
 
                 def raw():
                     dist.all_to_all_single(recv, send, list(rs), list(ss))
@@ -294,7 +276,7 @@ def recompute_bench(have_deepep, results, tokens, reps):
     """Forward + checkpointed recompute + backward with the skip off and on: the two
     layers interleaved rep by rep, saving = median of the paired differences."""
     for backend in backends(have_deepep):
-        layers = [build(QWEN, backend, row_weighting_impl="fused",
+        layers = [build(QWEN, backend,
                         skip_recompute_combine=skip)[0] for skip in (False, True)]
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)
@@ -333,7 +315,7 @@ def recompute_bench(have_deepep, results, tokens, reps):
                 say(f"recompute {backend} {name} failed: {type(e).__name__}: {e}")
 
 
-_COMBINE_FWD = ("combine_fwd", "combine_weighted_fwd", "combine_row_weighted_fwd")
+_COMBINE_FWD = ("combine",)
 
 
 def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
@@ -384,12 +366,12 @@ def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
                 return out
             setattr(layer.exchange, name, wrapped)
 
-        def dispatch_marked(*a, _real=layer.exchange.dispatch_fwd, cached=False, **kw):
+        def dispatch_marked(*a, _real=layer.exchange.dispatch, cached=False, **kw):
             dmark("cached" if cached else "fresh")
             out = _real(*a, cached=cached, **kw)
             dmark("end")
             return out
-        layer.exchange.dispatch_fwd = dispatch_marked
+        layer.exchange.dispatch = dispatch_marked
 
     def block(layer):
         def fn(h):
@@ -441,7 +423,7 @@ def recompute_phases(backend, layers, x, dy, reps, results, *, busy_ms=0.0):
     finally:
         moe_fn.layer.make_route_plan = real_plan
         for layer in layers:
-            for name in (*_COMBINE_FWD, "dispatch_fwd"):
+            for name in (*_COMBINE_FWD, "dispatch"):
                 layer.exchange.__dict__.pop(name, None)
     med = [{k: statistics.median(v) if v else None for k, v in ph.items()} for ph in phases]
     off, on = phases
@@ -546,13 +528,11 @@ def overlap_bench(have_deepep, results, tokens, reps):
     for backend in backends(have_deepep):
         # all_to_all: the backward combine's gathers on a side stream (the library's
         # default) or on the compute stream around NCCL's asynchronous transfer.
-        # (The symm_mem transport's pulls are kernels of their own: side stream only.)
-        modes = (True, False) if backend in ("all_to_all", "all_to_all_dedup") else (None,)
-        # The copy engines need no SMs: the carveout only serves the gathers and sums.
-        carveouts = (4, 12, 20) if backend == "all_to_all_ce" else (12, 20, 24)
-        for sms, side in itertools.product(carveouts, modes):
+        # (The symm_mem exchange's pulls are kernels of their own: side stream only.)
+        modes = (True, False) if backend == "all_to_all" else (None,)
+        for sms, side in itertools.product((12, 20, 24), modes):
             group = comm_group(sms) if backend.startswith("all_to_all") else None
-            arms = [build(QWEN, backend, group=group, row_weighting_impl="fused",
+            arms = [build(QWEN, backend, group=group,
                           overlap_weight_grad=overlap, comm_num_sm=sms)[0]
                     for overlap in (False, True)]
             if side is not None:
@@ -580,7 +560,7 @@ def overlap_bench(have_deepep, results, tokens, reps):
                                      fused=c.gate_up_impl == "fused")
                 _, _, work = experts_bwd_input(res, d_rows)
                 t_dw = timed(lambda: experts_bwd_weight(work), reps)
-                t_comb = timed(lambda: ex.dispatch_bwd(handle, d_rows, row_w), reps)
+                t_comb = timed(lambda: ex.dispatch_backward(handle, d_rows, row_w), reps)
             hidden = row["paired_saving_ms"] / min(t_dw, t_comb)
             row.update({"dW_ms": t_dw, "bwd_combine_ms": t_comb, "hidden_fraction": hidden})
             try:  # a diagnostic: its failure must not cost the rest of the section
@@ -616,7 +596,7 @@ def serial_pieces_in_place(layer, x, dy, reps):
         return wrapped
     real_dw = pure_experts.experts_bwd_weight
     pure_experts.experts_bwd_weight = around("dw", real_dw)
-    layer.exchange.dispatch_bwd = around("comb", layer.exchange.dispatch_bwd)
+    layer.exchange.dispatch_backward = around("comb", layer.exchange.dispatch_backward)
     try:
         for rep in range(reps + 2):
             for p in layer.parameters():
@@ -630,16 +610,15 @@ def serial_pieces_in_place(layer, x, dy, reps):
                     times[key].append(s.elapsed_time(e))
     finally:
         pure_experts.experts_bwd_weight = real_dw
-        layer.exchange.__dict__.pop("dispatch_bwd", None)
+        layer.exchange.__dict__.pop("dispatch_backward", None)
     if not times["dw"] or not times["comb"]:
         raise RuntimeError(f"the serial backward did not pass the wrapped calls: {times}")
     return statistics.median(times["dw"]), statistics.median(times["comb"])
 
 
-# Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem transport's
-# pulls and barriers, and copy-engine peer copies (the copy_engine transport); lower
-# case, as the names they are matched against.
-_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier", "memcpy ptop")
+# Kernels that move rows between ranks: NCCL's, DeepEP's, the symm_mem exchange's
+# pulls and barriers; lower case, as the names they are matched against.
+_COMM_KERNELS = ("nccl", "deep_ep", "intranode", "_pull_", "barrier")
 
 
 def trace_overlap(layer, x, dy, results, backend):
@@ -683,8 +662,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="parity,layer,recompute,overlap")
     ap.add_argument("--backends", default=None,
-                    help="comma-separated subset of all_to_all, all_to_all_reg, all_to_all_ce, "
-                         "all_to_all_symm, all_to_all_symm_rowwise, all_to_all_dedup, "
+                    help="comma-separated subset of all_to_all, "
+                         "all_to_all_symm, all_to_all_symm_rowwise, "
                          "deepep")
     a = ap.parse_args()
     ONLY_BACKENDS = a.backends.split(",") if a.backends else None
@@ -721,7 +700,7 @@ def main():
         overlap_bench(have_deepep, results, a.tokens, a.reps)
         dump()
     dist.barrier()
-    release_exchange_buffers()  # while NCCL lives
+    release_comm_resources()  # while NCCL lives
     dist.destroy_process_group()
 
 

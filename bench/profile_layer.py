@@ -4,7 +4,7 @@ GPU waited for the host: launch overhead or a host sync). The layer is the suite
 (``bench/shapes.py``: model, arm).
 
     python bench/profile_layer.py [--model qwen3-30b-a3b] [--tokens 8192] \
-        [--arm moe_fn|moe_fn-fused] [--phase fwd|fwd+bwd] [--trace trace.json] [--out p.json]
+        [--arm moe_fn|moe_fn-reference] [--phase fwd|fwd+bwd] [--trace trace.json] [--out p.json]
 """
 
 from __future__ import annotations

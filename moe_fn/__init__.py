@@ -5,8 +5,9 @@ from ._checks import debug_checks, set_debug_checks
 from .config import MoEConfig
 from .layer import MoELayer
 from .replay import checkpoint
+from .resources import release_comm_resources
 from .skip_check import SkipContractError
 
 __all__ = ["MoEConfig", "MoELayer", "SkipContractError", "balance", "checkpoint",
-           "debug_checks", "functional", "set_debug_checks"]
+           "debug_checks", "functional", "release_comm_resources", "set_debug_checks"]
 __version__ = "0.1.0"

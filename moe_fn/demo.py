@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .comm.teardown import leave_after_last_collective, release_exchange_buffers
+from .resources import leave_after_last_collective, release_comm_resources
 
 VOCAB, SEQ = 128, 32
 MODEL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -49,7 +49,7 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
     """(loss, parameter) tolerances for the largest absolute difference between two runs.
 
     float32: the runs compute the same function with float32 operations in a different
-    order (fused vs separate GEMMs, fused vs eager weighting, a recompute, one process vs
+    order (fused vs separate GEMMs, fused vs reference weighting, a recompute, one process vs
     two), each op a few ulps (2^-24 relative) apart. Measured: the loss (~ln 128 = 4.85)
     differs by 0 to 5e-6 over 5-20 steps. Parameters are compared against one AdamW step
     (lr): the update ``lr * m / (sqrt(v) + eps)`` of an element whose gradient is near
@@ -192,26 +192,17 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-# --comm values that are the all_to_all exchange over another transport.
-TRANSPORTS = ("registered", "symm_mem", "copy_engine")
-
-
 def options_on(ep: int, comm: str) -> dict:
     """Every optimisation MoEConfig accepts for this exchange."""
-    transport = {"all_to_all_transport": comm} if comm in TRANSPORTS else {}
-    # The copy engines take no SMs: the overlap's carveout then serves only the gathers and
-    # sums (bench/RESULTS.md, issue 5).
-    return dict(gate_up_impl="fused", row_weighting_impl="fused",
-                combine_impl="eager" if comm == "deepep" else "fused",
-                overlap_weight_grad=ep > 1, comm_num_sm=4 if comm == "copy_engine" else 20,
-                skip_recompute_combine=True, **transport)
+    return dict(gate_up_impl="fused", impl="fused", overlap_weight_grad=ep > 1,
+                comm_num_sm=20, skip_recompute_combine=True)
 
 
 # Options that change only what runs on GPUs (the SMs the communication takes): a CPU run
 # passes them but does not show them.
 GPU_ONLY_OPTIONS = ("comm_num_sm",)
 
-OPTIONS_OFF = dict(gate_up_impl="separate", row_weighting_impl="eager", combine_impl="eager",
+OPTIONS_OFF = dict(gate_up_impl="separate", impl="reference",
                    overlap_weight_grad=False, skip_recompute_combine=False)
 
 
@@ -245,10 +236,8 @@ def run(rank: int, world: int, args) -> int:
     runs = {}
     for name, opts, ckpt in (("all on", on, True), ("all off", OPTIONS_OFF, False)):
         model = copy.deepcopy(ref)
-        # A transport is the all_to_all exchange moving rows another way ("all on" only).
-        backend = "all_to_all" if comm in TRANSPORTS else comm
         convert(model, process_group=group, ep_size=world,
-                **({"comm_backend": backend} if world > 1 else {}), **opts)
+                **({"comm_backend": comm} if world > 1 else {}), **opts)
         if ckpt:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -306,7 +295,7 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
         code = run(rank, world, args)
         dist.barrier()
     except BaseException:
-        release_exchange_buffers()  # while their communicator lives
+        release_comm_resources()  # while their communicator lives
         dist.destroy_process_group()
         raise
     if rank == 0:
@@ -371,13 +360,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "backend in this process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo, default) or cuda (NCCL, one GPU per process)")
-    p.add_argument("--comm", choices=("all_to_all", *TRANSPORTS, "deepep"),
+    p.add_argument("--comm", choices=("all_to_all", "symm_mem", "deepep"),
                    default=None,
-                   help="exchange for --ep 2: all_to_all (default), symm_mem (all_to_all "
-                        "pulling rows from symmetric memory; on CPUs its gathering "
-                        "stand-in), copy_engine (all_to_all's rows pulled by copy "
-                        "engines; the same stand-in on CPUs) or deepep (CUDA, bf16; DeepEP "
-                        "must be importable)")
+                   help="exchange for --ep 2 (docs/exchanges.md): all_to_all (default), "
+                        "symm_mem (rows pulled from symmetric memory; on CPUs its gathering "
+                        "stand-in) or deepep (CUDA, bf16; DeepEP must be importable)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     p.add_argument("--batch", type=int, default=2,
                    help=f"sequences of {SEQ} tokens per process per step (default 2)")

@@ -17,23 +17,25 @@ from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .balance import BalanceLosses, LayerBalance
-from .comm import base as comm_base
-from .comm.base import Exchange
+from .comm import collectives
+from .comm.base import Exchange, Summation
+from .comm.carveout import sm_count
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
 from .pure.activations import resolve_layout
 from .records import RoutePlan
 from .replay import KeptActivations, current_region
+from .resources import RESOURCES
 from .skip_check import SkipContractError
 
 
 def takes_comm_sms(config: MoEConfig) -> bool:
     """Whether anything the config runs takes ``comm_num_sm`` SMs: DeepEP's kernels, the
-    symm_mem transport's pulls, the overlap's carveout (the other exchanges leave the
-    SMs to NCCL or the copy engines and never read it)."""
+    symm_mem exchange's pulls, the overlap's carveout (the other exchanges leave the
+    SMs to NCCL and never read it)."""
     return config.ep_size > 1 and (
         config.comm_backend == "deepep" or config.overlap_weight_grad
-        or (config.all_to_all_transport == "symm_mem" and not config.all_to_all_dedup))
+        or config.comm_backend == "symm_mem")
 
 
 def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
@@ -44,17 +46,19 @@ def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
                          f"the experts' GEMMs: use fewer (12-24 is typical)")
 
 
-def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
-    """The exchange a config asks for; group size is checked before any collective runs."""
+def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) -> Exchange:
+    """The exchange a config asks for, drawing on ``resources`` (the process's, by
+    default); group size is checked before any collective runs."""
     if config.comm_backend == "local":
         if process_group is not None and dist.get_world_size(process_group) != 1:
             n = dist.get_world_size(process_group)
             raise ValueError(f"comm_backend='local' with a process group of {n} ranks: for "
                              f"expert parallelism over it set ep_size={n} and comm_backend="
-                             "'all_to_all' or 'deepep' (moe_fn.hf.convert(model, ep_size="
+                             "'all_to_all', 'symm_mem' or 'deepep' (moe_fn.hf.convert(model, "
+                             "ep_size="
                              f"{n}, process_group=...) picks 'all_to_all'), or pass no group")
-        return LocalExchange(num_experts=config.num_experts,
-                             fused_combine=config.combine_impl == "fused")
+        return LocalExchange(num_experts=config.num_experts, resources=resources,
+                             fused_sums=config.impl == "fused")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"comm_backend={config.comm_backend!r} needs torch.distributed "
                            "initialised (dist.init_process_group) before the layer is built")
@@ -63,24 +67,18 @@ def make_exchange(config: MoEConfig, process_group=None) -> Exchange:
         raise ValueError(f"the process group has {size} ranks but ep_size is "
                          f"{config.ep_size}: pass a group of {config.ep_size} ranks, or set "
                          f"ep_size={size}")
-    if config.comm_backend == "all_to_all" and config.all_to_all_dedup:
-        from .comm.token_a2a import TokenAllToAllExchange
-        return TokenAllToAllExchange(num_experts=config.num_experts, group=process_group)
-    if config.comm_backend == "all_to_all" and config.all_to_all_transport == "copy_engine":
-        from .comm.copy_engine import CopyEngineRowsExchange
-        return CopyEngineRowsExchange(num_experts=config.num_experts, group=process_group,
-                                      fused_combine=config.combine_impl == "fused")
-    if config.comm_backend == "all_to_all" and config.all_to_all_transport == "symm_mem":
-        from .comm.peer_rows import PeerRowsExchange
-        return PeerRowsExchange(num_experts=config.num_experts, group=process_group,
-                                num_sms=config.comm_num_sm)
+    if config.comm_backend == "symm_mem":
+        from .comm.symm_mem import SymmMemExchange
+        return SymmMemExchange(num_experts=config.num_experts, group=process_group,
+                               resources=resources, num_sms=config.comm_num_sm)
     if config.comm_backend == "all_to_all":
         return AllToAllExchange(num_experts=config.num_experts, group=process_group,
-                                fused_combine=config.combine_impl == "fused",
-                                register_buffers=config.all_to_all_transport == "registered")
+                                resources=resources,
+                                fused_sums=config.impl == "fused")
     from .comm.deepep import DeepEPExchange
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
-                          hidden_size=config.hidden_size, num_sms=config.comm_num_sm)
+                          resources=resources, hidden_size=config.hidden_size,
+                          num_sms=config.comm_num_sm)
 
 
 def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
@@ -140,13 +138,11 @@ class MoELayer(nn.Module):
 
     Rank r of the expert-parallel group (``process_group``, default the world group when
     ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
-    Routing weights are applied where ``config.score_apply`` says; for ``"post"`` on the
-    local exchange and all_to_all over its collective transport with
-    ``combine_impl="fused"`` they enter the combine's sum at home (one fused pass, nothing
-    extra sent); on the token-once exchanges (DeepEP, ``all_to_all_dedup``) with
-    ``row_weighting_impl="fused"``, and over ``all_to_all_transport="symm_mem"`` with fused
-    row weighting or the fused combine, they enter the expert side's per-token (float32)
-    sum; elsewhere they scale the expert rows before a plain-sum combine.
+    Routing weights are applied where ``config.score_apply`` says; for ``"post"`` with
+    ``impl="fused"`` they enter the combine's own sum where its exchange sums a token's
+    rows (``Exchange.summation``): at home over the local and all_to_all exchanges (one
+    fused pass, nothing extra sent), on the expert side over symm_mem and DeepEP; with
+    ``impl="reference"`` they scale the expert rows before a plain-sum combine.
     """
 
     # Within a forward under torch.autocast: the dtype the layer computes in.
@@ -240,7 +236,7 @@ class MoELayer(nn.Module):
                             c.group_score, float(c.routed_scaling_factor), replay_idx)
 
     def _weight_rows(self, rows, row_w):
-        if self.config.row_weighting_impl == "fused":
+        if self.config.impl == "fused":
             return functional.row_weight(rows, row_w)
         # Eager, as Hugging Face does it: the weights cast to the rows' dtype.
         return rows * row_w.to(rows.dtype)[:, None]
@@ -396,7 +392,7 @@ class MoELayer(nn.Module):
                             device=x.device)
         ep = self.exchange.ep_size
         every = mine.new_empty(ep * 2)
-        comm_base._all_gather(every, mine, group=self.exchange.group)
+        collectives.all_gather(every, mine, group=self.exchange.group)
         rows = every.view(ep, 2).tolist()
         for rank, (cfg, dtype) in enumerate(rows):
             what = [w for w, same in (("config", cfg == rows[0][0]),
@@ -427,21 +423,16 @@ class MoELayer(nn.Module):
         """``(home_w, fold_w)``: whether post-expert routing weights enter the combine's sum
         at home, or the expert side's per-token sum, instead of a weighting pass."""
         c = self.config
-        post = c.score_apply == "post" and not skip
-        # With the fused combine, post-expert weights go into its sum at home when the
-        # exchange brings rows home one by one: they need not travel, and no separate
-        # weighting pass runs. (Eagerly, a weighted sum at home costs more float32 passes
-        # than weighting on the expert side.) The skipped combine keeps the expert-side
-        # weighting: its backward needs the rows there.
-        home_w = post and c.combine_impl == "fused" and self.exchange.home_weighting
-        # Token-once exchanges (DeepEP, all_to_all_dedup) fold fused row weighting into
-        # their expert-side per-token sum instead; the symm_mem transport, whose sums are
-        # float32 with float32 weights, folds them for the fused combine too (its weights
-        # ride with the dispatch's rows).
-        ex = self.exchange
-        fold_w = post and ex.folds_row_weights and (
-            c.row_weighting_impl == "fused"
-            or (c.combine_impl == "fused" and ex.folds_row_weights_exactly))
+        post = c.score_apply == "post" and not skip and c.impl == "fused"
+        # The weights enter the combine's own sum: at home, where rows come home one by one
+        # (they need not travel, and no weighting pass runs; eagerly a weighted sum at home
+        # costs more float32 passes than weighting on the expert side, so the reference
+        # weights the rows), or in the expert side's per-token sum where the exchange sums
+        # there (its weights ride with the dispatch's rows). The skipped combine keeps the
+        # expert-side weighting: its backward needs the rows there.
+        summation = self.exchange.summation
+        home_w = post and summation is Summation.HOME
+        fold_w = post and summation is Summation.EXPERTS
         return home_w, fold_w
 
     def _forward_routed(self, x2, region, seq_len=None):
@@ -506,14 +497,14 @@ class MoELayer(nn.Module):
                                 weights=weights)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
-                                       self.exchange, handle, c.row_weighting_impl == "fused")
+                                       self.exchange, handle, c.impl == "fused")
             region.note_skip(out)
         else:
             # Without a backward to come (no grad mode: a reentrant checkpoint's first
             # forward, inference) the home-weighted combine keeps nothing.
             needs_grad = torch.is_grad_enabled() and (y.requires_grad or w.requires_grad)
-            out = Combine.apply(y, self.exchange, handle, w if home_w else None,
-                                row_w if fold_w else None, needs_grad)
+            out = Combine.apply(y, self.exchange, handle,
+                                w if home_w else row_w if fold_w else None, needs_grad)
         if watch is not None:
             watch.trust_layer((out, logits), x2)
         return out, logits
@@ -642,7 +633,7 @@ class MoELayer(nn.Module):
         if (self.exchange.ep_size > 1
                 and self._ranks_agree_on != (x.dtype, x.device)):
             if x.is_cuda and takes_comm_sms(c):
-                check_comm_num_sm(c.comm_num_sm, comm_base.sm_count(x.device))
+                check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
             self._check_ranks_agree(x)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region, seq_len)

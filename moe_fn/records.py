@@ -39,16 +39,6 @@ class RoutePlan:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RowPulls:
-    """Where a rank's rows sit in its peers' send buffers, for a transport whose receiver
-    pulls them (the copy engines): ``offsets[s]``, the first row peer s sends this rank;
-    ``max_rows``, the most rows any rank sends (every rank's buffer region that tall)."""
-
-    offsets: tuple[int, ...]
-    max_rows: int
-
-
-@attrs.frozen(kw_only=True, eq=False)
 class SortedRowsHandle:
     """Layout of one dispatch over the ``local`` or ``all_to_all`` exchange.
 
@@ -70,9 +60,6 @@ class SortedRowsHandle:
     ``num_rows``: N, rows this rank computes.
     ``flat``: the same layout for inputs with one row per (token, k) (routing weights):
     its ``remote_tokens``/``self_tokens`` index flattened rows; None inside ``flat``.
-    ``pulls_out`` / ``pulls_home``: for a transport that pulls rows from its peers, where
-    this rank's rows sit in each peer's send buffer towards the experts / home (None for
-    the collective).
     """
 
     plan: RoutePlan
@@ -87,8 +74,6 @@ class SortedRowsHandle:
     local_offs: torch.Tensor
     num_rows: int
     flat: SortedRowsHandle | None
-    pulls_out: RowPulls | None = None
-    pulls_home: RowPulls | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -117,41 +102,9 @@ class DeepEPHandle:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class TokenExchangeHandle:
-    """Layout of one dispatch over the token-once ``all_to_all`` exchange.
-
-    ``plan``: the route. ``send_tokens`` (n_send,) int64: the home token of each sent
-    position, grouped by destination rank (a token goes once to every rank owning one of
-    its experts, this rank included). ``send_splits`` / ``recv_splits``: tokens sent to /
-    received from each rank (host ints). ``home_table`` (T, ep) int64: a home token's
-    position in the sent (and returned) buffer for each rank, -1 where it was not sent.
-    ``owner_pos`` (T, k) int64: the returned-buffer position of the rank owning each of a
-    token's k experts. ``token_of_row`` / ``slot_of_row`` / ``row_of_slot`` /
-    ``local_offs`` / ``num_rows`` / ``num_recv_tokens``: as in ``DeepEPHandle``.
-    ``row_weights`` (N,), in the weights' dtype: the routing weights the first dispatch
-    delivered to the rows (None before it, or without weights), which a cached dispatch
-    reuses instead of sending them again.
-    """
-
-    plan: RoutePlan
-    send_tokens: torch.Tensor
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    home_table: torch.Tensor
-    owner_pos: torch.Tensor
-    token_of_row: torch.Tensor
-    slot_of_row: torch.Tensor
-    row_of_slot: torch.Tensor
-    local_offs: torch.Tensor
-    num_rows: int
-    num_recv_tokens: int
-    row_weights: torch.Tensor | None = None
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class PeerRowsHandle:
-    """Layout of one dispatch over the ``all_to_all`` exchange with
-    ``all_to_all_transport="symm_mem"``: rows pulled straight from the rank that holds them.
+class SymmMemHandle:
+    """Layout of one dispatch over the ``symm_mem`` exchange: rows pulled straight from the
+    rank that holds them.
 
     ``plan``: the route. For each expert-major row this rank computes (``num_rows`` N,
     grouped by local expert, then by source rank, then in the source's sorted order):

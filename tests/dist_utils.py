@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_fn.comm.teardown import leave_after_last_collective
+from moe_fn.resources import leave_after_last_collective
 
 
 def _entry(rank, world, init_file, fn, args, backend="gloo"):

@@ -54,13 +54,26 @@ class Buffer:
     num_sms = 20
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
-                 **_):
+                 explicitly_destroy=False, **_):
         assert num_nvl_bytes % 128 == 0 and num_rdma_bytes == 0 and not low_latency_mode
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         assert self.group_size in INTRANODE_RANKS
         self.num_nvl_bytes = num_nvl_bytes
+        self.explicitly_destroy = explicitly_destroy
+        self.destroyed = False
+
+    def destroy(self) -> None:
+        """Collective in DeepEP (a barrier over the NVLink buffers); only for a buffer made
+        with ``explicitly_destroy=True``, once."""
+        assert self.explicitly_destroy, "destroy() needs explicitly_destroy=True"
+        assert not self.destroyed, "destroyed twice"
+        dist.barrier(group=self.group)
+        self.destroyed = True
+
+    def _live(self):
+        assert not self.destroyed, "a destroyed Buffer was used"
 
     @staticmethod
     def set_num_sms(n: int) -> None:
@@ -80,6 +93,7 @@ class Buffer:
     # ---- layout ----------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
+        self._live()
         assert topk_idx.dtype == torch.int64 and topk_idx.dim() == 2
         assert num_experts % self.group_size == 0
         local = num_experts // self.group_size
@@ -98,6 +112,7 @@ class Buffer:
         return out
 
     def _check_rows(self, x):
+        self._live()
         assert x.is_contiguous() and x.is_floating_point(), "x must be contiguous floats"
         assert (x.shape[1] * x.element_size()) % 16 == 0, "rows must be 16-byte multiples"
 
@@ -177,7 +192,6 @@ def install() -> None:
     module = types.ModuleType("deep_ep")
     module.Buffer, module.Config, module.EventOverlap = Buffer, Config, EventOverlap
     sys.modules["deep_ep"] = module
-    deepep._buffers.clear()
     real_check = deepep.DeepEPExchange._check_rows
 
     def check_rows(name, x):

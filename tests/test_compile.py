@@ -50,8 +50,8 @@ def _fresh_dynamo():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("options", [{}, {"combine_impl": "fused", "row_weighting_impl": "fused",
-                                          "gate_up_impl": "separate"}], ids=["default", "fused"])
+@pytest.mark.parametrize("options", [{}, {"impl": "reference", "gate_up_impl": "separate"}],
+                         ids=["default", "reference"])
 def test_compiled_module_matches_eager(backend, options):
     torch.manual_seed(0)
     block = Block(**options)

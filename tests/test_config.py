@@ -33,28 +33,21 @@ BASE = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(ep_size=3), "ep_size"),
     (dict(comm_backend="local", ep_size=2), "comm_backend='local'"),
-    (dict(all_to_all_dedup=True), "all_to_all_dedup=True changes how"),
-    (dict(comm_backend="deepep", ep_size=2, all_to_all_dedup=True), "use comm_backend='all_to"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=True, combine_impl="fused"),
-     "use combine_impl='eager' with it"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=1), "all_to_all_dedup must"),
-    (dict(all_to_all_transport="nvlink"), "all_to_all_transport"),
-    (dict(all_to_all_transport="symm_mem"), "leave it 'collective'"),
-    (dict(all_to_all_transport="copy_engine"), "leave it 'collective'"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="copy_engine",
-          all_to_all_dedup=True), "set one of them back"),
-    (dict(comm_backend="deepep", ep_size=2, all_to_all_transport="symm_mem"),
-     "use comm_backend='all_to_all'"),
-    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_transport="symm_mem",
-          all_to_all_dedup=True), "set one of them back"),
-    (dict(comm_backend="all_to_all", ep_size=64, all_to_all_transport="symm_mem"),
-     "at most 63 ranks.*use all_to_all_transport='collective'"),
+    (dict(all_to_all_dedup=True), "'all_to_all_dedup' was removed.*use comm_backend="),
+    (dict(comm_backend="all_to_all", ep_size=2, all_to_all_dedup=False),
+     "'all_to_all_dedup' was removed"),
+    (dict(all_to_all_transport="symm_mem"),
+     "'all_to_all_transport' was removed.*'symm_mem' is now comm_backend='symm_mem'"),
+    (dict(all_to_all_transport="registered"), "'registered' and 'copy_engine' were removed"),
+    (dict(comm_backend="symm_mem", ep_size=64), "at most 63 ranks.*use comm_backend='all_to_all'"),
     (dict(comm_backend="deepep", ep_size=3, num_experts=9), "ep_size in"),
     (dict(comm_backend="deepep", ep_size=2, comm_num_sm=21), "comm_num_sm must be even"),
     (dict(comm_backend="deepep", ep_size=2, hidden_size=9000), "DeepEP cannot carry"),
     (dict(comm_backend="deepep", ep_size=2, hidden_size=12), "DeepEP cannot carry"),
-    (dict(comm_backend="deepep", ep_size=2, combine_impl="fused"), "combine_impl='fused'"),
-    (dict(row_weighting_impl="fused", score_apply="activation"), "row_weighting_impl"),
+    (dict(row_weighting_impl="fused"), "'row_weighting_impl' was removed: use impl.*impl='fused'"),
+    (dict(combine_impl="eager"), "'combine_impl' was removed: use impl.*impl='reference'"),
+    (dict(impl="eager"), "impl='eager' was removed: use impl='reference'"),
+    (dict(impl="triton"), r"impl must be one of \('fused', 'reference'\)"),
     (dict(overlap_weight_grad=True), "ep_size=1"),
     (dict(expert_bias=True, score_apply="pre"), "expert_bias"),
     (dict(norm_topk_prob=1), "norm_topk_prob"),
@@ -99,7 +92,8 @@ def _group_size_mismatch(rank, world):
     # The local exchange over a group of several ranks: the fix is ep_size, not only the
     # backend (which alone would fail on ep_size next).
     with pytest.raises(ValueError, match="process group of 2 ranks: for expert parallelism "
-                       "over it set ep_size=2 and comm_backend='all_to_all' or 'deepep'"):
+                       "over it set ep_size=2 and comm_backend='all_to_all', 'symm_mem' or "
+                       "'deepep'"):
         MoELayer(MoEConfig(**BASE), dist.group.WORLD)
     # No rank was left inside a collective: the group still works.
     t = torch.ones(1)
@@ -160,16 +154,74 @@ def test_comm_num_sm_must_leave_sms_for_the_gemms():
 
 def test_only_what_takes_sms_reads_comm_num_sm():
     """The first CUDA forward checks that comm_num_sm leaves SMs to the GEMMs only where
-    something takes them: a GPU with few SMs (a MIG slice) runs the NCCL or copy-engine
-    exchanges, which never read it."""
+    something takes them: a GPU with few SMs (a MIG slice) runs the NCCL exchanges,
+    which never read it."""
     from moe_fn.layer import takes_comm_sms
 
     ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
     assert not takes_comm_sms(MoEConfig(**BASE))
     assert not takes_comm_sms(MoEConfig(**ep))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="copy_engine"))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_transport="registered"))
-    assert not takes_comm_sms(MoEConfig(**ep, all_to_all_dedup=True))
-    assert takes_comm_sms(MoEConfig(**ep, all_to_all_transport="symm_mem"))
+    assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="symm_mem")))
     assert takes_comm_sms(MoEConfig(**ep, overlap_weight_grad=True))
     assert takes_comm_sms(MoEConfig(**dict(ep, comm_backend="deepep")))
+
+
+def test_every_option_is_documented_in_its_group_and_in_help():
+    import pydoc
+
+    import attrs
+
+    from moe_fn.config import GROUPS
+
+    text = pydoc.render_doc(MoEConfig, renderer=pydoc.plaintext)
+    for f in attrs.fields(MoEConfig):
+        assert f.metadata["group"] in GROUPS and f.metadata["doc"].strip(), f.name
+        assert f"``{f.name}``" in text, f.name
+    assert all(title in text for title in GROUPS.values())
+
+
+def test_docs_config_md_is_generated_from_the_options():
+    """docs/config.md is what options_markdown() writes (regenerate it after changing an
+    option: the command is in its first lines)."""
+    import os
+
+    from moe_fn.config import options_markdown
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "config.md")
+    with open(path) as f:
+        assert f.read() == options_markdown()
+
+
+def test_an_option_needs_a_known_group_and_documentation():
+    import attrs
+
+    from moe_fn.config import _documented, option
+
+    with pytest.raises(ValueError, match="group must be one of"):
+        option(1, group="no such group", doc="x")
+
+    @attrs.frozen(kw_only=True)
+    class Partial:
+        a: int = option(1, group="routing", doc="documented")
+        b: int = 2
+
+    with pytest.raises(TypeError, match=r"without a group and documentation.*\['b'\]"):
+        _documented(Partial)
+
+
+@pytest.mark.parametrize("name,value,replacement", [
+    ("row_weighting_impl", "fused", "impl='fused'"),
+    ("combine_impl", "eager", "impl='reference'"),
+    ("all_to_all_transport", "symm_mem", "comm_backend='symm_mem'"),
+    ("all_to_all_dedup", True, "comm_backend="),
+])
+def test_a_removed_option_names_its_replacement_in_moe_config_and_convert(name, value,
+                                                                          replacement):
+    from moe_fn.hf.convert import _check_options
+    from moe_fn.hf.presets import PRESETS
+
+    with pytest.raises(ValueError, match=f"{name}' was removed: use .*{replacement}"):
+        MoEConfig(**BASE, **{name: value})
+    with pytest.raises(ValueError, match=f"{name}' was removed: use .*{replacement}"):
+        _check_options({name: value}, None, next(iter(PRESETS.values())))

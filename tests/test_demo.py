@@ -63,14 +63,12 @@ def test_demo_single_process(capsys, monkeypatch):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("comm", ["all_to_all", "symm_mem", "copy_engine"])
+@pytest.mark.parametrize("comm", ["all_to_all", "symm_mem"])
 def test_demo_expert_parallel_gloo(comm):
     proc = subprocess.run([sys.executable, "-m", "moe_fn", "demo", "--steps", "2", "--comm",
                            comm], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"EP2 ({comm} over gloo)" in proc.stdout
     assert "overlap_weight_grad=True" in proc.stdout and "use_reentrant=True" in proc.stdout
-    assert ("all_to_all_transport=symm_mem" in proc.stdout) == (comm == "symm_mem")
-    assert ("all_to_all_transport=copy_engine" in proc.stdout) == (comm == "copy_engine")
     _check_diffs(proc.stdout, 2)
     assert proc.stdout.rstrip().endswith("PASS")

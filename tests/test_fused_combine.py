@@ -1,4 +1,4 @@
-"""combine_impl="fused" gives the eager combine's results, on one rank and over gloo."""
+"""impl="fused" gives the reference's results, on one rank and over gloo."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from moe_fn.testing import assert_jointly_close_to_ref
 from tests.dist_utils import run_distributed
 
 
-def _run(combine_impl, world=1, rank=0, dtype=torch.float32):
+def _run(impl, world=1, rank=0, dtype=torch.float32):
     backend = dict(comm_backend="all_to_all", ep_size=world) if world > 1 else {}
     cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2,
-                    combine_impl=combine_impl, **backend)
+                    impl=impl, **backend)
     layer = MoELayer(cfg, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     el = cfg.num_local_experts
@@ -29,10 +29,10 @@ def _run(combine_impl, world=1, rank=0, dtype=torch.float32):
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def test_fused_combine_matches_eager_single_rank(monkeypatch):
+def test_fused_combine_matches_the_reference_single_rank(monkeypatch):
     """The same numbers, and the fused path is the one that ran: the routing weights enter
     the fused sum at home (one weighted gather-sum per forward) and the dispatch's backward
-    sums each token's row gradients in the unweighted one; the eager run uses neither."""
+    sums each token's row gradients in the unweighted one; the reference uses neither."""
     import moe_fn.kernels as kernels
 
     calls = []
@@ -41,25 +41,25 @@ def test_fused_combine_matches_eager_single_rank(monkeypatch):
         monkeypatch.setattr(kernels, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name)
                             or _real(*a, **kw))
-    eager = _run("eager")
+    reference = _run("reference")
     assert calls == []
     fused = _run("fused")
     assert calls == ["weighted_gather_sum_fwd", "gather_sum_fwd"], calls
-    _assert_same_numbers(fused, eager, _run("eager", dtype=torch.float64))
+    _assert_same_numbers(fused, reference, _run("reference", dtype=torch.float64))
 
 
-def _assert_same_numbers(fused, eager, eager64):
-    """Another summation order than the eager combine's: the layer's outputs and gradients
-    within twice the eager float32 error of float64 (taken as one)."""
-    assert_jointly_close_to_ref(fused, eager, eager64)
+def _assert_same_numbers(fused, reference, reference64):
+    """Another summation order than the reference combine's: the layer's outputs and
+    gradients within twice the reference float32 error of float64 (taken as one)."""
+    assert_jointly_close_to_ref(fused, reference, reference64)
 
 
 def _body(rank, world):
-    _assert_same_numbers(_run("fused", world, rank), _run("eager", world, rank),
-                         _run("eager", world, rank, torch.float64))
+    _assert_same_numbers(_run("fused", world, rank), _run("reference", world, rank),
+                         _run("reference", world, rank, torch.float64))
     assert dist.get_world_size() == world
 
 
 @pytest.mark.multiproc
-def test_fused_combine_matches_eager_expert_parallel():
+def test_fused_combine_matches_the_reference_expert_parallel():
     run_distributed(_body, 2)

@@ -117,8 +117,7 @@ def test_local_layer_captured_as_cuda_graph_matches_eager():
 
     from moe_fn import MoEConfig, MoELayer
     torch.manual_seed(0)
-    cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=16, top_k=4,
-                    row_weighting_impl="fused", combine_impl="fused")
+    cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=16, top_k=4)
     eager = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     graphed = torch.cuda.make_graphed_callables(
         copy.deepcopy(eager),
@@ -159,7 +158,7 @@ def test_fused_router_linear_in_the_layer(monkeypatch):
     from moe_fn import MoEConfig, MoELayer, checkpoint, kernels
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=32, top_k=4,
-                    norm_topk_prob=True, row_weighting_impl="fused", combine_impl="fused")
+                    norm_topk_prob=True)
     layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -189,8 +188,7 @@ def test_compiled_block_around_the_layer_matches_eager():
     with its Triton kernels, the norm and residual around it compile; same results."""
     from moe_fn import MoEConfig, MoELayer
     torch.manual_seed(0)
-    cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=32, top_k=4,
-                    row_weighting_impl="fused", combine_impl="fused")
+    cfg = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=32, top_k=4)
     layer = MoELayer(cfg, device="cuda", dtype=torch.bfloat16)
     norm = torch.nn.RMSNorm(256, device="cuda", dtype=torch.bfloat16)
 

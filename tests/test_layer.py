@@ -3,15 +3,13 @@ parallelism over gloo against the reference holding every expert (tests/ep_cases
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import moe_fn.layer
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.comm import base
+from moe_fn.comm import collectives
 from moe_fn.testing import MoEParams, assert_close_to_ref, reference_moe
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
@@ -30,7 +28,7 @@ from tests.ep_cases import small_config as _cfg
     # GPT-OSS: router and expert biases, softmax over the top-k logits.
     dict(router_bias=True, expert_bias=True, score_func="softmax_topk", norm_topk_prob=False,
          activation="swiglu_oai", gate_up_layout="interleaved"),
-    dict(expert_bias=True, gate_up_impl="separate", row_weighting_impl="fused"),
+    dict(expert_bias=True, gate_up_impl="separate", impl="reference"),
     # DeepSeek-V3 / MiniMax: a score-correction bias steers the choice, not the weights.
     dict(score_correction_bias=True, score_func="sigmoid", norm_topk_prob=True),
 ])
@@ -189,13 +187,12 @@ def _ep_body(rank, world, tokens_per_rank):
             ep_case(rank, world, kw, tokens_per_rank, 1234 + n, exchange_kw)
 
 
-# The all_to_all exchange's three ways of moving rows (on CPUs the symm_mem transport
-# pulls from a gathering stand-in for symmetric memory: the same index logic).
-# The fused combine weights the rows at home (combine_weighted_fwd/bwd).
-EXCHANGES = [dict(), dict(all_to_all_dedup=True), dict(all_to_all_transport="symm_mem"),
-             dict(all_to_all_transport="symm_mem", combine_impl="fused"),
-             dict(combine_impl="fused"), dict(all_to_all_transport="copy_engine"),
-             dict(all_to_all_transport="copy_engine", combine_impl="fused"),
+# Every exchange (on CPUs the symm_mem exchange pulls from a gathering stand-in for
+# symmetric memory: the same index logic).
+# impl="fused" (the default) weights inside each exchange's sum: at home over all_to_all,
+# on the expert side over symm_mem and DeepEP; "reference" weights the rows first.
+EXCHANGES = [dict(), dict(impl="reference"), dict(comm_backend="symm_mem"),
+             dict(comm_backend="symm_mem", impl="reference"),
              # DeepEP's own logic (tokens once per rank, expanded into expert rows, combined
              # in its sums) over tests/fake_deep_ep.py's stand-in for its Buffer.
              dict(comm_backend="deepep")]
@@ -214,23 +211,23 @@ def test_expert_parallel_matches_single_process(world):
 def _router_only_body(rank, world):
     """Only the routing weights need a gradient (frozen experts, an input without grad):
     the home-weighted combine must still keep what its backward needs. Router gradients
-    against the eager combine (weights applied on the expert side)."""
+    against the reference (weights applied on the expert side)."""
     grads = {}
-    for combine_impl in ("fused", "eager"):
+    for impl in ("fused", "reference"):
         cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2,
-                        comm_backend="all_to_all", ep_size=world, combine_impl=combine_impl)
+                        comm_backend="all_to_all", ep_size=world, impl=impl)
         torch.manual_seed(5)
         layer = MoELayer(cfg)
         layer64 = MoELayer(cfg, dtype=torch.float64)
         layer64.load_state_dict(layer.state_dict())
         x = torch.randn(6 + rank, 16, generator=torch.Generator().manual_seed(rank))
-        for lay, inp, key in ((layer, x, combine_impl), (layer64, x.double(), combine_impl + "64")):
+        for lay, inp, key in ((layer, x, impl), (layer64, x.double(), impl + "64")):
             lay.experts.requires_grad_(False)
             lay(inp).square().sum().backward()
             grads[key] = lay.router.weight.grad
-    # Two float32 summation orders: the fused one within twice the eager one's error.
-    assert_close_to_ref(grads["fused"], grads["eager"], grads["eager64"])
-    torch.testing.assert_close(grads["fused64"], grads["eager64"])
+    # Two float32 summation orders: the fused one within twice the reference one's error.
+    assert_close_to_ref(grads["fused"], grads["reference"], grads["reference64"])
+    torch.testing.assert_close(grads["fused64"], grads["reference64"])
     assert grads["fused"].abs().sum() > 0
 
 
@@ -242,14 +239,13 @@ def test_a_combine_whose_weights_alone_need_grad_keeps_its_rows():
 def test_a_combine_told_no_backward_refuses_one():
     from moe_fn.autograd.routing import Combine
 
-    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                               combine_impl="fused"))
+    layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
     x = torch.randn(5, 8)
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, 4)
     ex = layer.exchange
-    rows, _, handle = ex.dispatch_fwd(x, None, ex.layout(plan))
-    out = Combine.apply(rows.requires_grad_(), ex, handle, w, None, False)
+    rows, _, handle = ex.dispatch(x, None, ex.layout(plan))
+    out = Combine.apply(rows.requires_grad_(), ex, handle, w, False)
     with pytest.raises(RuntimeError, match="needs_grad=False"):
         out.sum().backward()
 
@@ -265,18 +261,17 @@ def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
 
 
 def _count_collectives_body(rank, world):
-    for dedup, dtype in itertools.product((False, True),
-                                          (torch.float32, torch.bfloat16, torch.float64)):
-        _count_collectives(world, dedup, dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        _count_collectives(world, dtype)
 
 
-def _count_collectives(world, dedup, dtype):
+def _count_collectives(world, dtype):
     cfg = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                    comm_backend="all_to_all", ep_size=world,  # weights sent with the rows
-                    all_to_all_dedup=dedup)
+                    comm_backend="all_to_all", ep_size=world,
+                    impl="reference")  # the weights sent with the rows, weighted there
     layer = MoELayer(cfg, dist.group.WORLD, dtype=dtype)
     calls = []
-    real, real_gather = dist.all_to_all_single, base._all_gather
+    real, real_gather = dist.all_to_all_single, collectives.all_gather
 
     def counting(real):
         def call(*a, **kw):
@@ -284,7 +279,7 @@ def _count_collectives(world, dedup, dtype):
             return real(*a, **kw)
         return call
     dist.all_to_all_single = counting(real)
-    base._all_gather = counting(real_gather)
+    collectives.all_gather = counting(real_gather)
     try:
         x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
         layer(x)  # the first call per dtype also checks that the ranks agree: one gather
@@ -295,12 +290,12 @@ def _count_collectives(world, dedup, dtype):
         out.float().sum().backward()
         backward = len(calls) - first - forward
     finally:
-        dist.all_to_all_single, base._all_gather = real, real_gather
-    # Forward: the layout's counts (and, token-once, the received tokens' expert ids), the
-    # rows with their routing weights packed in, the combine; backward: the output gradient
+        dist.all_to_all_single, collectives.all_gather = real, real_gather
+    # Forward: the layout's counts, the rows with their routing weights packed in, the
+    # combine; backward: the output gradient
     # out, the row gradients with the weight gradients packed in back (sent apart, the
     # weights would add one collective each way).
-    assert (forward, backward) == (4 if dedup else 3, 2), calls
+    assert (forward, backward) == (3, 2), calls
     assert calls[first + forward - 2][1] > 8 and calls[-1][1] > 8  # packed: wider rows
     assert torch.isfinite(x.grad).all() and layer.router.weight.grad.abs().sum() > 0
 
@@ -344,7 +339,7 @@ def test_ranks_that_disagree_are_refused_before_the_exchange(differ):
 def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
     """What a packed collective delivers is bit for bit what was packed: the values ride as
     their own bytes (or an exact upcast), and packed rows stay 16-byte aligned."""
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(9, 13, generator=g).to(rows_dtype)
@@ -365,7 +360,7 @@ def test_packed_rows_carry_rows_and_values_exactly(rows_dtype, values_dtype):
 
 
 def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     g = torch.Generator().manual_seed(1)
     rows = torch.randn(6, 13, generator=g).to(torch.bfloat16)
@@ -379,7 +374,7 @@ def test_unpacked_values_can_be_gathered_straight_from_the_packed_bytes():
 
 
 def test_unpacking_values_of_rows_that_are_not_there_raises():
-    from moe_fn.comm.base import new_packed, unpack_rows
+    from moe_fn.comm.packing import new_packed, unpack_rows
 
     values = torch.zeros(0, 1)
     packed = new_packed(torch.zeros(0, 13, dtype=torch.bfloat16), 0, values)
@@ -391,7 +386,7 @@ def test_unpacking_values_of_rows_that_are_not_there_raises():
 def test_one_packed_row_of_odd_width_unpacks(values_dtype):
     """A single packed row is a contiguous slice whose values may start at an offset their
     dtype cannot view from (bf16 rows of odd width): unpacking copies them out."""
-    from moe_fn.comm.base import new_packed, pack_rows, unpack_rows
+    from moe_fn.comm.packing import new_packed, pack_rows, unpack_rows
 
     rows = torch.randn(1, 7).to(torch.bfloat16)
     values = torch.randn(1, 8, dtype=values_dtype)
@@ -407,9 +402,9 @@ def test_cached_dispatch_of_other_tokens_is_refused():
     _, idx, w = layer.route(x)
     plan = moe_fn.layer.make_route_plan(idx, 4)
     handle = layer.exchange.layout(plan)
-    layer.exchange.dispatch_fwd(x, w, handle, cached=True)  # the same tokens: fine
+    layer.exchange.dispatch(x, w, handle, cached=True)  # the same tokens: fine
     with pytest.raises(ValueError, match="must move the 6 tokens its handle was made for"):
-        layer.exchange.dispatch_fwd(x[:5], w[:5], handle, cached=True)
+        layer.exchange.dispatch(x[:5], w[:5], handle, cached=True)
 
 
 def test_reset_parameters_after_meta_construction_zeroes_the_choice_bias():

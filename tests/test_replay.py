@@ -94,10 +94,11 @@ def assert_same(a, b, ref64):
             assert_close_to_ref(step_a[k], step_b[k], step_64[k], f"step {n} {k}")
 
 
-CASES = [dict(score_apply=s, row_weighting_impl=w) for s, w in
-         itertools.product(["post", "pre"], ["eager", "fused"])] + [dict(score_apply="activation")]
-# The fused combine weights at home; a skipped recompute weights on the expert side.
-CASES.append(dict(score_apply="post", row_weighting_impl="fused", combine_impl="fused"))
+# impl="fused" weights inside the combine's sum; a skipped recompute weights on the expert
+# side.
+CASES = [dict(score_apply=s, impl=i) for s, i in
+         itertools.product(["post", "pre"], ["reference", "fused"])]
+CASES.append(dict(score_apply="activation"))
 
 
 def _cfg(world, **kw):
@@ -108,11 +109,7 @@ def _cfg(world, **kw):
 
 def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
-    cases = [dict(c, **exchange_kw) for c in CASES
-             # The token-once exchanges combine in their own one-pass sums.
-             if not ((exchange_kw.get("all_to_all_dedup")
-                      or exchange_kw.get("comm_backend") == "deepep")
-                     and c.get("combine_impl") == "fused")]
+    cases = [dict(c, **exchange_kw) for c in CASES]
     for kw in cases:
         ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
         ref64, _ = run_steps(_cfg(world, **kw), "none", rank=rank, dtype=torch.float64)
@@ -197,12 +194,10 @@ def test_the_recompute_routes_as_the_forward_did():
 def _ep_body(rank, world):
     fake_deep_ep.install()
     _check_recompute_routes_as_the_forward_did(world, rank)
-    _check_recompute_routes_as_the_forward_did(world, rank, all_to_all_dedup=True)
     _check_recompute_routes_as_the_forward_did(world, rank, comm_backend="deepep")
     _check_cases(world, rank)
     _check_cases(world, rank, comm_backend="deepep")
-    _check_cases(world, rank, all_to_all_dedup=True)
-    _check_cases(world, rank, all_to_all_transport="symm_mem")
+    _check_cases(world, rank, comm_backend="symm_mem")
 
 
 @pytest.mark.multiproc

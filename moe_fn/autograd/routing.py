@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..comm.base import sm_carveout
+from ..comm.base import Gathered, Summation
+from ..comm.carveout import sm_carveout
 from ..pure.experts import experts_bwd_weight
 from ..pure.router import RouterLinearRes, RouterRes, router_linear_bwd
+from ..pure.row_weight import RowWeightRes
 from ._common import contiguous_grad, refuse_double_backward
 
 
@@ -70,7 +72,7 @@ class Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, exchange, layout, cached, gate_up_proj=None, down_proj=None,
                 weight_grad_slot=None, carveout=None, gate_up_bias=None, down_bias=None):
-        rows, row_w, handle = exchange.dispatch_fwd(x, weights, layout, cached=cached)
+        rows, row_w, handle = exchange.dispatch(x, weights, layout, cached=cached)
         ctx.slot, ctx.carveout = weight_grad_slot, carveout
         ctx.exchange, ctx.handle = exchange, handle
         ctx.has_weights = weights is not None
@@ -86,10 +88,10 @@ class Dispatch(torch.autograd.Function):
             d_rows = torch.zeros(shape, dtype=dtype, device=device)
         d_row_w = contiguous_grad(d_row_w) if ctx.has_weights else None
         if ctx.slot is None:
-            dx, d_w = ctx.exchange.dispatch_bwd(ctx.handle, d_rows, d_row_w)
+            dx, d_w = ctx.exchange.dispatch_backward(ctx.handle, d_rows, d_row_w).wait()
             return (dx, d_w) + (None,) * 9
         work = ctx.slot.drain()
-        pending = ctx.exchange.start_dispatch_bwd(ctx.handle, d_rows, d_row_w)
+        pending = ctx.exchange.dispatch_backward(ctx.handle, d_rows, d_row_w, async_op=True)
         n = ctx.needs_input_grad
         try:
             with sm_carveout(ctx.carveout):
@@ -103,26 +105,25 @@ class Dispatch(torch.autograd.Function):
 class Combine(torch.autograd.Function):
     """Expert rows back to their tokens, summed over k; backward is a cached dispatch.
 
-    With ``weights (T, k)`` (exchanges with ``home_weighting``) the sum is weighted at
-    home; with ``row_weights (N,)`` (exchanges that ``folds_row_weights``) each row is
-    weighted inside the expert side's per-token sum. Either way the backward also returns
-    the weights' gradient. ``needs_grad`` False (the caller knows no backward will run: no
-    grad mode, as in a reentrant checkpoint's first forward) lets the home-weighted sum keep
-    nothing for it."""
+    With ``weights`` the sum is weighted inside the exchange's own sum, where its
+    ``summation`` says: ``(T, k)`` routing weights at home (``Summation.HOME``), or ``(N,)``
+    row weights as the dispatch delivered them on the expert side (``Summation.EXPERTS``;
+    the backward is then the unweighted combine's followed by that weighting's, fused).
+    Either way the backward also returns the weights' gradient. ``needs_grad`` False (the
+    caller knows no backward will run: no grad mode, as in a reentrant checkpoint's first
+    forward) lets the home-weighted sum keep nothing for it."""
 
     @staticmethod
-    def forward(ctx, rows, exchange, handle, weights=None, row_weights=None, needs_grad=True):
+    def forward(ctx, rows, exchange, handle, weights=None, needs_grad=True):
         ctx.exchange, ctx.handle = exchange, handle
-        ctx.mode = "home" if weights is not None else "rows" if row_weights is not None else ""
-        if ctx.mode == "home":
-            out, src = exchange.combine_weighted_fwd(rows, weights, handle, keep=needs_grad)
-            if needs_grad:
-                ctx.save_for_backward(src, weights)
-            return out
-        if ctx.mode == "rows":
-            ctx.save_for_backward(rows, row_weights)
-            return exchange.combine_row_weighted_fwd(rows, row_weights, handle)
-        return exchange.combine_fwd(rows, handle)[0]
+        ctx.mode = ("" if weights is None else
+                    "home" if exchange.summation is Summation.HOME else "rows")
+        out, saved = exchange.combine(rows, handle, weights=weights, keep=needs_grad)
+        if ctx.mode == "home" and needs_grad:
+            ctx.save_for_backward(saved, weights)
+        elif ctx.mode == "rows":
+            ctx.save_for_backward(rows, weights)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
@@ -135,37 +136,31 @@ class Combine(torch.autograd.Function):
                                    "and kept nothing for one: pass needs_grad=True whenever "
                                    "its rows or weights require grad under grad mode")
             src, weights = saved
-            d_rows, d_w = ctx.exchange.combine_weighted_bwd(ctx.handle, d_out, weights, src)
-            return d_rows, None, None, d_w, None, None
+            d_rows, d_w = ctx.exchange.combine_backward(ctx.handle, d_out, weights=weights,
+                                                        saved=src)
+            return d_rows, None, None, d_w, None
         if ctx.mode == "rows":
             rows, row_weights = ctx.saved_tensors
-            d_rows, d_rw = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows,
-                                                                  row_weights, fused=True)
-            return d_rows, None, None, None, d_rw, None
-        return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None, None
+            d_rows, d_rw = row_weighting_backward(
+                ctx.exchange.combine_backward_gathered(ctx.handle, d_out), rows, row_weights)
+            return d_rows, None, None, d_rw, None
+        return ctx.exchange.combine_backward(ctx.handle, d_out)[0], None, None, None, None
 
 
-# (device, dtype, width, stream) -> (NaN rows, their version when filled). One buffer
-# serves every layer's skipped combine: each gets a view of its first T rows.
-_SENTINELS: dict = {}
-
-
-def nan_sentinel(num_tokens: int, width: int, dtype, device) -> torch.Tensor:
-    """A contiguous ``(num_tokens, width)`` view of NaN rows, filled once and reused.
-    Contiguous so that the residual add reading it takes PyTorch's vectorised path (a
-    broadcast NaN row made that add about twice as slow). Returned by a custom Function,
-    the view cannot be written in place and then used (autograd refuses); if anything
-    wrote into the buffer anyway, it is refilled. Keyed by stream so that no stream reads
-    a fill still queued on another."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (device, dtype, width, stream)
-    buf, version = _SENTINELS.get(key, (None, None))
-    if buf is None or buf.shape[0] < num_tokens or buf._version != version:
-        rows = num_tokens if buf is None else max(num_tokens, buf.shape[0])
-        buf = torch.full((rows, width), float("nan"), dtype=dtype, device=device)
-        version = buf._version
-        _SENTINELS[key] = (buf, version)
-    return buf[:num_tokens]
+def row_weighting_backward(d: Gathered, rows, row_weights, *, fused: bool = True):
+    """The backward of ``rows * row_weights[:, None]`` for the gradient ``d`` of the
+    weighted rows, given as a gather not yet run: ``(d_rows, d_row_weights)``. ``fused``:
+    the gather and the weighting's backward in one Triton pass (float32 math); else what
+    autograd computes for the eager weighting ``rows * w.to(rows.dtype)[:, None]``
+    (``MoELayer._weight_rows``), in the rows' dtype."""
+    if not fused:
+        d = d.materialize()
+        w = row_weights.to(rows.dtype)[:, None]
+        return d * w, (d * rows).sum(-1).to(row_weights.dtype)
+    if d.index is None and d.own is None:
+        return kernels.row_weight_bwd(RowWeightRes(rows, row_weights), d.src)
+    return kernels.gather_row_weight_bwd(d.src, d.index, rows, row_weights, own=d.own,
+                                         own_tokens=d.own_index)
 
 
 class SkippedCombine(torch.autograd.Function):
@@ -185,15 +180,19 @@ class SkippedCombine(torch.autograd.Function):
         if ctx.weighted:
             ctx.save_for_backward(rows, row_weights)
         exchange.counters["combine_skipped"] += 1
-        return nan_sentinel(handle.plan.num_tokens, rows.shape[-1], rows.dtype, rows.device)
+        return exchange.resources_on(rows.device).nan_sentinel(
+            handle.plan.num_tokens, rows.shape[-1], rows.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         refuse_double_backward("SkippedCombine")
         d_out = contiguous_grad(d_out)
         if not ctx.weighted:
-            return ctx.exchange.combine_bwd(ctx.handle, d_out), None, None, None, None
+            return ctx.exchange.combine_backward(ctx.handle, d_out)[0], None, None, None, None
         rows, row_w = ctx.saved_tensors
-        d_rows, d_w = ctx.exchange.combine_bwd_weighted_rows(ctx.handle, d_out, rows, row_w,
-                                                             fused=ctx.fused)
+        if ctx.fused:
+            d = ctx.exchange.combine_backward_gathered(ctx.handle, d_out)
+        else:
+            d = Gathered(ctx.exchange.combine_backward(ctx.handle, d_out)[0])
+        d_rows, d_w = row_weighting_backward(d, rows, row_w, fused=ctx.fused)
         return d_rows, d_w, None, None, None

@@ -1,8 +1,11 @@
 """The ``deepep`` exchange over DeepEP's v1 ``deep_ep.Buffer`` (intranode NVLink).
 
 DeepEP sends each token once to every rank that owns one of its experts; the receiver
-expands tokens into (token, k) rows grouped by local expert. DeepEP's combine sums
-without weights, so the routing weights are applied on the expert side before it.
+expands tokens into (token, k) rows grouped by local expert (``handle.token_of_row``). The
+combine sums each received token's rows on the expert side (``handle.row_of_slot``) and
+DeepEP sends one partial per (token, rank) home, where it adds them
+(``Summation.EXPERTS``): routing weights can enter that per-token sum, and the combine's
+backward (a cached dispatch of the output gradient) can be gathered into the weighting's.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..records import DeepEPHandle, RoutePlan
-from .base import Pending, check_cached_tokens, expand_received
-from .tokens import TokenRowsExchange
+from .base import (
+    Exchange,
+    Gathered,
+    Pending,
+    Summation,
+    check_cached_tokens,
+    check_combine_weights,
+)
 
 _HOW_TO_GET = (
     "comm_backend='deepep' needs DeepEP's v1 Buffer API (import deep_ep). The PyPI package "
@@ -21,8 +30,6 @@ _HOW_TO_GET = (
     "(github.com/deepseek-ai/DeepEP, tag v1.2.1; without NVSHMEM it builds intranode-only) "
     "with `pip install --no-build-isolation .` in its checkout, or use comm_backend='all_to_all'"
 )
-
-_buffers: dict = {}
 
 
 def import_deep_ep():
@@ -35,40 +42,56 @@ def import_deep_ep():
     return deep_ep
 
 
-def _buffer(deep_ep, group, hidden_bytes: int, configs):
-    """One NVLink buffer per group, sized for the largest hidden size asked for so far."""
-    ep = dist.get_world_size(group)
-    need = max(c.get_nvl_buffer_size_hint(hidden_bytes, ep) for c in configs)
-    # Keyed by the group object, held here: a group created after another was destroyed
-    # (at the same address) gets its own buffer.
-    key = id(group)
-    entry = _buffers.get(key)
-    buf = entry[1] if entry is not None and entry[0] is group else None
-    if buf is None or buf.num_nvl_bytes < need:
-        buf = deep_ep.Buffer(group, num_nvl_bytes=need, num_rdma_bytes=0)
-        _buffers[key] = (group, buf)
-    return buf
+def expand_received(local_idx: torch.Tensor, num_local_experts: int, num_rows: int):
+    """Received tokens' (T_recv, k) local expert ids (-1 where an expert lives elsewhere)
+    to expert rows: ``(token_of_row, slot_of_row, row_of_slot)``, rows grouped by local
+    expert and, within one, in (token, slot) order; ``row_of_slot`` is -1 off this rank.
+    ``num_rows`` (host int) is the number of ids >= 0.
+
+    A stable sort of the ids with "elsewhere" last: the dispatch layout (Triton on CUDA)."""
+    k = local_idx.shape[1]
+    key = torch.where(local_idx < 0, num_local_experts, local_idx)
+    # The layout writes each sorted entry's token (perm // k) as it goes.
+    _, _, perm, inv_perm, tokens = kernels.layout_with_tokens(key, num_local_experts + 1)
+    row_of_slot = torch.where(inv_perm < num_rows, inv_perm, -1).reshape(local_idx.shape)
+    return tokens[:num_rows], perm[:num_rows] % k, row_of_slot
 
 
-class DeepEPExchange(TokenRowsExchange):
+def _device() -> torch.device:
+    # DeepEP's Buffer lives on the CUDA device current when it is made.
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+class DeepEPExchange(Exchange):
     backend = "deepep"
-    # The overlapped backward combine uses DeepEP's own async_finish on its communication
-    # stream, as its maintainers advise (DeepEP issue #131): wrapping its calls in a stream
-    # of ours serialised them with the GEMMs in our measurements.
-    combine_on_side_stream = False
+    summation = Summation.EXPERTS
 
-    def __init__(self, *, num_experts: int, group=None, hidden_size: int, num_sms: int = 20):
-        deep_ep = import_deep_ep()
+    def __init__(self, *, num_experts: int, resources, group=None, hidden_size: int,
+                 num_sms: int = 20):
+        self._deep_ep = import_deep_ep()
         group = group if group is not None else dist.group.WORLD
         ep = dist.get_world_size(group)
         super().__init__(num_experts=num_experts, ep_size=ep, rank=dist.get_rank(group),
-                         group=group)
-        deep_ep.Buffer.set_num_sms(num_sms)
+                         group=group, resources=resources)
+        self._deep_ep.Buffer.set_num_sms(num_sms)
         # Cached dispatch and combine must run with the SM count of the original dispatch.
-        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(ep)
-        self.combine_config = deep_ep.Buffer.get_combine_config(ep)
-        self.buffer = _buffer(deep_ep, group, hidden_size * 2,
-                              (self.dispatch_config, self.combine_config))
+        self.dispatch_config = self._deep_ep.Buffer.get_dispatch_config(ep)
+        self.combine_config = self._deep_ep.Buffer.get_combine_config(ep)
+        self.num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_size * 2, ep)
+                                 for c in (self.dispatch_config, self.combine_config))
+        # Made (or grown: a collective) now, while every rank builds its layers, not at a
+        # first move that other layers' handles might outlive.
+        self._buffer_on(_device())
+
+    def _buffer_on(self, device):
+        return self.resources_on(device).deepep_buffer(self._deep_ep, self.num_nvl_bytes)
+
+    @property
+    def buffer(self):
+        """The group's DeepEP ``Buffer`` (looked up at every move: after a release the next
+        move makes a new one)."""
+        return self._buffer_on(_device())
 
     @staticmethod
     def _check_rows(name, x):
@@ -76,6 +99,14 @@ class DeepEPExchange(TokenRowsExchange):
             raise TypeError(f"DeepEP carries bf16 CUDA rows; {name} is {x.dtype} on {x.device}: "
                             "run the layer in bfloat16 (under torch.autocast: dtype="
                             "torch.bfloat16) or use comm_backend='all_to_all'")
+
+    @staticmethod
+    def _per_slot(row_values, table):
+        """``(R, k)``: each received token's slot value from ``row_values (N,)`` through
+        ``table = handle.row_of_slot``, zero where the slot's expert lives elsewhere."""
+        if row_values.numel() == 0:  # no rows here: every slot is elsewhere
+            return row_values.new_zeros(table.shape)
+        return torch.where(table >= 0, row_values.reshape(-1)[table.clamp(min=0)], 0)
 
     def layout(self, plan: RoutePlan):
         self.counters["layout"] += 1
@@ -92,7 +123,7 @@ class DeepEPExchange(TokenRowsExchange):
                                                    self.num_local_experts, n)
         return token, slot, offs.to(recv_idx.device), n, row_of_slot
 
-    def dispatch_fwd(self, x, weights, layout, *, cached: bool = False):
+    def dispatch(self, x, weights, layout, *, cached: bool = False):
         self._check_rows("x", x)
         x = x.contiguous()
         if cached:
@@ -128,8 +159,13 @@ class DeepEPExchange(TokenRowsExchange):
                                "differs from v1.2.1's (see the README on building DeepEP)")
         return recv_x.index_select(0, handle.token_of_row), row_w, handle
 
-    def dispatch_bwd(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
-                     async_op: bool = False):
+    def dispatch_backward(self, handle: DeepEPHandle, d_rows, d_row_weights, *,
+                          async_op: bool = False) -> Pending:
+        """Row gradients summed per received token, sent home by DeepEP's combine, which
+        reduces the routing-weight gradients the same way. With ``async_op`` DeepEP's own
+        ``async_finish`` on its communication stream, as its maintainers advise (DeepEP
+        issue #131): wrapping its calls in a stream of ours serialised them with the GEMMs
+        in our measurements."""
         self.counters["dispatch_backward"] += 1
         d_recv = kernels.masked_gather_sum(d_rows, handle.row_of_slot)  # per received token
         d_recv_w = None
@@ -144,19 +180,41 @@ class DeepEPExchange(TokenRowsExchange):
             return dx, d_w
 
         pending = Pending(finish)
-        return pending if async_op else pending.wait()
+        if not async_op:
+            pending.wait()
+        return pending
 
-    # ---- the combine's transports (the combine itself: TokenRowsExchange) ----------------
-    def _partials_home(self, partials, handle: DeepEPHandle):
+    # ---- combine: the expert side's per-token sums, DeepEP's combine home ----------------
+    def combine(self, rows, handle: DeepEPHandle, *, weights=None, keep: bool = True):
+        """Each received token's rows summed here (with ``weights``, one per expert row,
+        applied inside that sum: no weighted rows are written), DeepEP's combine adding the
+        partials at home. Nothing is saved for the backward."""
+        self.counters["combine"] += 1
+        check_combine_weights(self, weights, rows, handle)
+        partials = kernels.masked_gather_sum(rows, handle.row_of_slot, weights)
         self._check_rows("rows", partials)
         out, _, _ = self.buffer.combine(partials, handle.deepep_handle,
                                         config=self.combine_config)
-        return out
+        return out, None
 
     def _tokens_to_experts(self, d_out, handle: DeepEPHandle):
         # d_out has the layer output's dtype (autograd casts every gradient, a root one too,
         # to its tensor's): the bf16 the forward's dispatch checked.
-        d_recv, *_ = self.buffer.dispatch(d_out.contiguous(),
-                                          handle=handle.deepep_handle,
+        self.counters["combine_backward"] += 1
+        d_recv, *_ = self.buffer.dispatch(d_out.contiguous(), handle=handle.deepep_handle,
                                           config=self.dispatch_config)
         return d_recv
+
+    # d_rows[i] = d_out[home token of row i]: a cached dispatch of the output gradient.
+    def combine_backward(self, handle: DeepEPHandle, d_out, *, weights=None, saved=None):
+        if weights is not None:
+            raise ValueError("DeepEP sums on the expert side: the backward of its weighted "
+                             "combine is combine_backward_gathered followed by the row "
+                             "weighting's backward")
+        received = self._tokens_to_experts(d_out, handle)
+        return received.index_select(0, handle.token_of_row), None
+
+    def combine_backward_gathered(self, handle: DeepEPHandle, d_out) -> Gathered:
+        """The received output gradient per token, each expert row reading its token's:
+        the expansion left to the consumer (one pass with the weighting's backward)."""
+        return Gathered(self._tokens_to_experts(d_out, handle), handle.token_of_row)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..kernels._registry import use_triton
 from ..pure.dispatch import peer_gather, peer_partial_sum, slot_sum
-from .base import sm_count
+from .carveout import sm_count
 
 _ALIGN = 256  # bytes between regions: row copies stay 16-byte aligned
 _GROW = 64 << 20  # capacities are rounded up to this, so that growth is rare
@@ -63,10 +63,9 @@ class SymmetricPeerMemory:
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:  # pragma: no cover - depends on the torch build
-            raise RuntimeError("all_to_all_transport='symm_mem' or 'copy_engine' needs "
-                               "torch's symmetric memory (torch.distributed._symmetric_memory),"
-                               " which this torch build lacks: use "
-                               "all_to_all_transport='collective'") from e
+            raise RuntimeError("comm_backend='symm_mem' needs torch's symmetric memory "
+                               "(torch.distributed._symmetric_memory), which this torch build "
+                               "lacks: use comm_backend='all_to_all'") from e
         self._symm = symm_mem
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
@@ -98,10 +97,9 @@ class SymmetricPeerMemory:
             self._hdl = self._symm.rendezvous(buf, self.group)
         except RuntimeError as e:
             raise RuntimeError(
-                "all_to_all_transport='symm_mem' or 'copy_engine' could not map the ranks' "
-                "buffers into each "
+                "comm_backend='symm_mem' could not map the ranks' buffers into each "
                 f"other ({e}); it needs CUDA ranks of one host with peer access (NVLink): "
-                "use all_to_all_transport='collective' elsewhere") from e
+                "use comm_backend='all_to_all' elsewhere") from e
         self._buf = buf
         ptrs = list(self._hdl.buffer_ptrs)
         self._bytes = tuple(p - ptrs[self.rank] for p in ptrs)
@@ -215,37 +213,11 @@ class GatheredPeerMemory:
         return self.expose(region, values, max_rows, max_values)
 
 
-_SHARED: dict = {}
-
-
-def peer_memory(group, device: torch.device):
-    """The group's peer memory on ``device``: one symmetric buffer shared by every
-    exchange of the group on CUDA (as DeepEP shares one ``Buffer``), the gathering
-    stand-in elsewhere. ``release_peer_memory()`` frees the buffers."""
-    if device.type != "cuda":
-        return GatheredPeerMemory(group)
-    g = group if group is not None else dist.group.WORLD
-    # Keyed by the group object, held here: a group created after another was destroyed
-    # (whose name may repeat) gets its own buffer.
-    key = (id(g), device)
-    entry = _SHARED.get(key)
-    if entry is None or entry[0] is not g:
-        entry = _SHARED[key] = (g, SymmetricPeerMemory(group, device))
-    return entry[1]
-
-
-def release_peer_memory() -> None:
-    """Forget every symmetric buffer (call on every rank, with nothing in flight, e.g.
-    before ``destroy_process_group``): it is freed once no move holds it, and the next
-    move of any exchange, built before or after, creates a new one."""
-    _SHARED.clear()
-
-
 def pull_rows(view: PeerView, src_rank, src_idx, *, row_div: int = 1, token_slots=None):
     """``out[i] = view.rows[src_rank[i]][src_idx[i] // row_div]`` (given rows) and
     ``vout[i] = view.values[src_rank[i]][src_idx[i]]`` (given values):
     ``(out or None, vout or None)``, on the whole GPU. ``token_slots``
-    (``PeerRowsHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
+    (``SymmMemHandle.token_slots`` of these indices, ``row_div`` being top_k): the CUDA
     kernel then reads each token row once however many rows copy it."""
     peers = view.rows
     ref = peers[view.rank] if peers is not None else view.values[view.rank]

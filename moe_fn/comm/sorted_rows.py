@@ -7,9 +7,10 @@ remote rows are in flight. Towards the experts every row is copied straight to i
 expert-major position (``local_offs``), the own ones on part of the GPU so that the
 collective's kernel starts at once, the arriving ones when they arrive: one pass over each
 row besides the sender's gather. Combine runs the moves backwards and sums each token's k
-rows; where nothing keeps the returned rows for a backward (the fused sums of the
-unweighted combine and of the dispatch's backward, and the weighted combine without grad
-mode), the sum reads the own rows where the experts left them instead of a copy.
+rows at home (``Summation.HOME``); where nothing keeps the returned rows for a backward (the
+fused sums of the unweighted combine and of the dispatch's backward, and the weighted
+combine without grad mode), the sum reads the own rows where the experts left them instead
+of a copy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .. import kernels
 from ..pure.dispatch import (
@@ -25,19 +27,20 @@ from ..pure.dispatch import (
     weighted_gather_sum_bwd,
     weighted_gather_sum_fwd,
 )
-from ..records import RoutePlan, RowPulls, SortedRowsHandle
+from ..records import RoutePlan, SortedRowsHandle
 from .base import (
-    AllToAllTransport,
     Exchange,
+    Gathered,
     Pending,
-    SendRows,
+    Summation,
     check_cached_tokens,
-    pack_rows,
-    packed_width,
-    sm_count,
-    unpack_rows,
-    value_bytes,
+    check_combine_weights,
+    joined,
+    side_stream_after,
 )
+from .carveout import sm_count
+from .collectives import gather_counts, group_and_size
+from .packing import new_packed, pack_rows, unpack_rows, value_bytes
 
 
 class HomeRows(NamedTuple):
@@ -60,34 +63,27 @@ class HomeRows(NamedTuple):
 class SortedRowsExchange(Exchange):
     """The moves shared by the local and all-to-all exchanges; ``_exchange`` is transport.
 
-    ``fused_combine`` (``combine_impl="fused"``) sums each token's k returning rows with the
-    one-pass gather-sum kernel instead of a gather and a reduction.
+    ``fused_sums`` (``impl="fused"``) sums each token's k returning rows with the one-pass
+    gather-sum kernels instead of their pure twins (a gather and a reduction).
+    ``combine_on_side_stream``: where an asynchronous dispatch backward (the overlap) runs
+    on CUDA (see ``dispatch_backward``).
     """
 
-    fused_combine = False
-    home_weighting = True
+    summation = Summation.HOME
+    combine_on_side_stream = True
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
-                  pulls=None, in_parts=False):
-        """Rows (a tensor or ``SendRows``) sent by ``send_splits`` and received by
-        ``recv_splits`` into a new buffer with ``room`` more rows behind them, which the
-        caller fills (needs ``SendRows``: the buffer is as wide): ``(buffer, work)``,
-        ``work`` None or what to wait on. The transport allocates that buffer, so it can
-        place it where it moves rows from (registered memory). ``pulls``: the layout's
-        ``RowPulls`` (pulling transports); ``in_parts``: the caller reads the received rows
-        range by range (``_landed``), so the transport may land them in parts."""
+    def __init__(self, *, fused_sums: bool, **kw):
+        super().__init__(**kw)
+        self.fused_sums = fused_sums
+
+    def _exchange(self, send, send_splits, recv_splits, *, async_op=False, room=0):
+        """Rows ``send`` sent by ``send_splits`` and received by ``recv_splits`` into a new
+        buffer as wide, with ``room`` more rows behind them which the caller fills:
+        ``(buffer, work)``, ``work`` None or what to wait on."""
         raise NotImplementedError
 
     def _layout_counts(self, plan: RoutePlan):
         raise NotImplementedError
-
-    def _landed(self, buf, work):
-        """Row ranges ``[lo, hi)`` of an exchange's received ``buf``, each readable on the
-        current stream when yielded. A transport may land a move in parts, so that placing
-        one part overlaps the next one's transfer; here it is one range, after the wait."""
-        if work is not None:
-            work.wait()
-        return ((0, buf.shape[0]),)
 
     def layout(self, plan: RoutePlan) -> SortedRowsHandle:
         self.counters["layout"] += 1
@@ -108,8 +104,7 @@ class SortedRowsExchange(Exchange):
                     None if weights is None else weights.index_select(0, h.flat.self_tokens))
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
-        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True,
-                                   pulls=h.pulls_out, in_parts=True)
+        buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
         # Allocated once the transfer is queued: from an idle GPU it starts sooner.
         out = token_rows.new_empty((h.num_rows, *token_rows.shape[1:]))
         # The weights ride in the rows' copies: each lands where its row does.
@@ -119,14 +114,13 @@ class SortedRowsExchange(Exchange):
                           **({} if weights is None else
                              {"values": w, "values_index": h.flat.self_tokens,
                               "values_out": w_out}))
+        if work is not None:
+            work.wait()
         if weights is None:
-            for lo, hi in self._landed(buf, work):
-                kernels.copy_rows(buf[lo:hi], None, out, h.recv_dst[lo:hi])
+            kernels.copy_rows(buf, None, out, h.recv_dst)
             return out, None
-        rows, vals = buf[:, :token_rows.shape[1]], value_bytes(buf, w)
-        for lo, hi in self._landed(buf, work):
-            kernels.copy_rows(rows[lo:hi], None, out, h.recv_dst[lo:hi], values=vals[lo:hi],
-                              values_out=w_out)
+        kernels.copy_rows(buf[:, :token_rows.shape[1]], None, out, h.recv_dst,
+                          values=value_bytes(buf, w), values_out=w_out)
         return out, w_out.reshape(-1)
 
     def _to_home(self, expert_rows, h: SortedRowsHandle, *, async_op=False, weights=None,
@@ -145,7 +139,7 @@ class SortedRowsExchange(Exchange):
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(expert_rows, h.recv_dst, w, h.recv_dst)
         buf, work = self._exchange(send, h.recv_splits, h.send_splits, async_op=async_op,
-                                   room=n_buf - n_in, pulls=h.pulls_home)
+                                   room=n_buf - n_in)
         own = (expert_rows, h.self_dst) if own_in_place else ()
         if not own_in_place and weights is None:
             torch.index_select(expert_rows, 0, h.self_dst, out=buf[n_in:])
@@ -178,13 +172,13 @@ class SortedRowsExchange(Exchange):
                 values=home.values, own_values=home.own_values,
                 values_out=None if home.values is None else home.weights.view(-1, 1))
         if weights is None:
-            impl = kernels.gather_sum_fwd if self.fused_combine else gather_sum_fwd
+            impl = kernels.gather_sum_fwd if self.fused_sums else gather_sum_fwd
             return impl(home.rows, home.order, k)[0]
-        impl = kernels.weighted_gather_sum_fwd if self.fused_combine else weighted_gather_sum_fwd
+        impl = kernels.weighted_gather_sum_fwd if self.fused_sums else weighted_gather_sum_fwd
         return impl(home.rows, home.order, weights, k)[0]
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
-    def dispatch_fwd(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
+    def dispatch(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
         if cached:
             check_cached_tokens(x, handle)
         # The layout already is the handle: split sizes fix everything the dispatch needs.
@@ -193,14 +187,30 @@ class SortedRowsExchange(Exchange):
                                              None if weights is None else weights.reshape(-1))
         return rows, row_weights, handle
 
-    def dispatch_bwd(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
-                     async_op: bool = False):
-        """Row gradients back home; dx sums each token's k rows, d_weights is (T, k)."""
+    def dispatch_backward(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,
+                          async_op: bool = False) -> Pending:
+        """Row gradients back home; dx sums each token's k rows, d_weights is (T, k).
+
+        With ``async_op`` on CUDA and ``combine_on_side_stream`` the whole move (gathers,
+        transfer, per-token sums) runs on a side stream, so only the SMs the caller leaves
+        free (the GEMMs' carveout) serve it. Otherwise the gathers before the transfer run
+        at once on the caller's stream with the whole GPU, the transfer asynchronously
+        (NCCL's own stream) beside what the caller runs next, and the sums after it in
+        ``wait()``."""
+        if async_op and d_rows.is_cuda and self.combine_on_side_stream:
+            main, side = side_stream_after(self.resources_on(d_rows.device), d_rows,
+                                           d_row_weights)
+            with torch.cuda.stream(side):
+                dx, d_w = self._home_sums(handle, d_rows, d_row_weights, async_op=False).wait()
+            return joined(main, side, dx, d_w)
+        return self._home_sums(handle, d_rows, d_row_weights, async_op=async_op)
+
+    def _home_sums(self, handle, d_rows, d_row_weights, *, async_op):
         self.counters["dispatch_backward"] += 1
         plan = handle.plan
         # The row gradients are not kept: the sum may read the own ones in place.
         finish_home = self._to_home(d_rows, handle, async_op=async_op, weights=d_row_weights,
-                                    own_in_place=self.fused_combine)
+                                    own_in_place=self.fused_sums)
 
         def finish():
             home = finish_home()
@@ -210,58 +220,41 @@ class SortedRowsExchange(Exchange):
             return self._sum_home(home, plan), d_w
 
         pending = Pending(finish)
-        return pending if async_op else pending.wait()
+        if not async_op:
+            pending.wait()
+        return pending
 
-    # ---- combine: expert rows -> token rows, summed over k ---------------------------------
-    def combine_fwd(self, rows, handle: SortedRowsHandle):
-        self.counters["combine"] += 1
-        # Its backward needs no rows (a cached dispatch): the sum reads own rows in place.
-        home = self._to_home(rows, handle, async_op=True, own_in_place=self.fused_combine)()
-        return self._sum_home(home, handle.plan), handle
-
-    # d_rows[i] = d_out[token of row i]: a cached dispatch of the output gradient.
-    def combine_bwd(self, handle: SortedRowsHandle, d_out):
-        self.counters["combine_backward"] += 1
-        return self._to_experts(d_out, handle)[0]
-
-    def combine_bwd_weighted_rows(self, handle: SortedRowsHandle, d_out, rows, row_weights, *,
-                                  fused: bool):
-        """As ``Exchange.combine_bwd_weighted_rows``, with the combine backward's last gather
-        fused into the weighting's backward when ``fused``."""
-        if not fused:
-            return super().combine_bwd_weighted_rows(handle, d_out, rows, row_weights,
-                                                     fused=False)
-        self.counters["combine_backward"] += 1
-        h = handle
-        if h.self_dst is None:  # one rank: sorted order is expert order
-            return kernels.gather_row_weight_bwd(d_out, h.self_tokens, rows, row_weights)
-        buf, work = self._exchange(_send_gather(d_out, h.remote_tokens), h.send_splits,
-                                   h.recv_splits, async_op=True, pulls=h.pulls_out)
-        if work is not None:
-            work.wait()
-        # Own rows' gradients are read from d_out where they are: nothing is copied.
-        return kernels.gather_row_weight_bwd(buf, h.expert_src, rows, row_weights, own=d_out,
-                                             own_tokens=h.self_tokens)
-
-    # ---- combine with the routing weights applied at home ----------------------------------
-    def combine_weighted_fwd(self, rows, weights, handle: SortedRowsHandle, *,
-                             keep: bool = True):
-        """``out[t] = sum_j w[t, j] * row(t, j)``; returns ``(out, src)``, ``src`` being the
-        returned rows in home-buffer order (the backward's ``d_weights`` needs them). With
-        ``keep=False`` (no backward will run) ``src`` is None and the fused sum reads the
+    # ---- combine: expert rows -> token rows, summed over k at home -------------------------
+    def combine(self, rows, handle: SortedRowsHandle, *, weights=None, keep: bool = True):
+        """``out[t] = sum_j row(t, j)``, or with ``weights (T, k)`` ``sum_j w[t, j] *
+        row(t, j)`` (float32 accumulation): ``(out, saved)``. Unweighted, the backward needs
+        no rows (a cached dispatch) and the sum reads own rows in place. Weighted, ``saved``
+        is the returned rows in home-buffer order, which the backward's ``d_weights`` needs;
+        with ``keep=False`` (no backward will run) it is None and the fused sum reads the
         own rows in place: buffering them costs a copy, reading them in place would make a
         backward keep all of ``rows``."""
         self.counters["combine"] += 1
+        if weights is None:
+            home = self._to_home(rows, handle, async_op=True, own_in_place=self.fused_sums)()
+            return self._sum_home(home, handle.plan), None
+        check_combine_weights(self, weights, rows, handle)
         home = self._to_home(rows, handle, async_op=True,
-                             own_in_place=self.fused_combine and not keep)()
+                             own_in_place=self.fused_sums and not keep)()
         out = self._sum_home(home, handle.plan, weights.reshape(-1))
         return out, (home.rows if keep else None)
 
-    def combine_weighted_bwd(self, handle: SortedRowsHandle, d_out, weights, src):
-        """``(d_rows (N, H) in expert order, d_weights (T, k))``: each returning row's
-        gradient is its token's output gradient times its weight, built in one pass at home
-        and sent as a cached dispatch sends token rows."""
+    def combine_backward(self, handle: SortedRowsHandle, d_out, *, weights=None, saved=None):
+        """Unweighted: ``d_rows[i] = d_out[token of row i]``, a cached dispatch of the output
+        gradient. Weighted: ``(d_rows (N, H) in expert order, d_weights (T, k))``, each
+        returning row's gradient its token's output gradient times its weight, built in one
+        pass at home and sent as a cached dispatch sends token rows."""
         self.counters["combine_backward"] += 1
+        if weights is None:
+            return self._to_experts(d_out, handle)[0], None
+        if saved is None:
+            raise RuntimeError("the weighted combine's backward needs the rows its forward "
+                               "kept (combine(..., keep=True))")
+        src = saved
         plan = handle.plan
         k = plan.top_k
         w = weights.reshape(-1)
@@ -272,27 +265,35 @@ class SortedRowsExchange(Exchange):
         pos_to_row = torch.cat([flat.remote_tokens, flat.self_tokens])
         d_rows = src.new_empty((handle.num_rows, src.shape[1]))
         split = flat.remote_tokens.numel()
-        d_ws = []
-
-        def write(out):
-            # One pass: the remote rows' gradients where the transport sends from, the own
-            # rows' straight at their expert-major places.
-            d_ws.append(self._weighted_bwd(d_out, src, pos_to_row, w, k, split=split,
-                                           hi_out=d_rows, hi_index=handle.self_dst,
-                                           lo_out=out)[2])
-        buf, work = self._exchange(SendRows(split, src.shape[1], src.dtype, src.device, write),
-                                   handle.send_splits, handle.recv_splits, async_op=True,
-                                   pulls=handle.pulls_out, in_parts=True)
-        if len(d_ws) != 1:
-            raise RuntimeError(f"the transport wrote the send rows {len(d_ws)} times, not once")
-        d_w, = d_ws
-        for lo, hi in self._landed(buf, work):
-            kernels.copy_rows(buf[lo:hi], None, d_rows, handle.recv_dst[lo:hi])
+        # One pass: the remote rows' gradients into the rows to send, the own rows' straight
+        # at their expert-major places.
+        send = src.new_empty((split, src.shape[1]))
+        d_w = self._weighted_bwd(d_out, src, pos_to_row, w, k, split=split, hi_out=d_rows,
+                                 hi_index=handle.self_dst, lo_out=send)[2]
+        buf, work = self._exchange(send, handle.send_splits, handle.recv_splits,
+                                   async_op=True)
+        if work is not None:
+            work.wait()
+        kernels.copy_rows(buf, None, d_rows, handle.recv_dst)
         return d_rows, d_w.reshape(plan.num_tokens, k)
+
+    def combine_backward_gathered(self, handle: SortedRowsHandle, d_out) -> Gathered:
+        """The unweighted combine's backward up to its last gather: the arrivals as they
+        landed and the own rows' gradients read from ``d_out`` where they are (nothing is
+        copied), indexed by ``expert_src``."""
+        self.counters["combine_backward"] += 1
+        h = handle
+        if h.self_dst is None:  # one rank: sorted order is expert order
+            return Gathered(d_out, h.self_tokens)
+        buf, work = self._exchange(_send_gather(d_out, h.remote_tokens), h.send_splits,
+                                   h.recv_splits, async_op=True)
+        if work is not None:
+            work.wait()
+        return Gathered(buf, h.expert_src, own=d_out, own_index=h.self_tokens)
 
     def _weighted_bwd(self, d_out, src, pos_to_row, w, k, *, split=None, hi_out=None,
                       hi_index=None, lo_out=None):
-        if self.fused_combine:
+        if self.fused_sums:
             return kernels.weighted_gather_sum_bwd(d_out, src, pos_to_row, w, k, split=split,
                                                    hi_out=hi_out, hi_index=hi_index,
                                                    lo_out=lo_out)
@@ -300,15 +301,12 @@ class SortedRowsExchange(Exchange):
         return (*split_rows(d_rows, split, hi_out, hi_index, lo_out), d_w)
 
 
-def _send_gather(rows, index, values=None, values_index=None) -> SendRows:
-    """``rows[index]`` (packed with ``values[values_index]`` when given) as rows to send,
-    written where the transport sends from."""
-    n = index.numel()
+def _send_gather(rows, index, values=None, values_index=None) -> torch.Tensor:
+    """``rows[index]``, packed with ``values[values_index]`` when given: the rows to send."""
     if values is None:
-        return SendRows(n, rows.shape[1], rows.dtype, rows.device,
-                        lambda out: torch.index_select(rows, 0, index, out=out))
-    return SendRows(n, packed_width(rows, values), rows.dtype, rows.device,
-                    lambda out: pack_rows(rows, index, values, values_index, out))
+        return torch.index_select(rows, 0, index)
+    return pack_rows(rows, index, values, values_index,
+                     new_packed(rows, index.numel(), values))
 
 
 def _beside_collective(t: torch.Tensor) -> int | None:
@@ -324,12 +322,11 @@ class LocalExchange(SortedRowsExchange):
 
     backend = "local"
 
-    def __init__(self, *, num_experts: int, fused_combine: bool = False):
-        super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None)
-        self.fused_combine = fused_combine
+    def __init__(self, *, num_experts: int, resources, fused_sums: bool = True):
+        super().__init__(num_experts=num_experts, ep_size=1, rank=0, group=None,
+                         resources=resources, fused_sums=fused_sums)
 
-    def _exchange(self, rows, send_splits, recv_splits, *, async_op=False, room=0,
-                  pulls=None, in_parts=False):
+    def _exchange(self, send, send_splits, recv_splits, *, async_op=False, room=0):
         raise AssertionError("the local exchange moves nothing between ranks")
 
     def _layout_counts(self, plan):
@@ -349,30 +346,24 @@ def _make_handle(plan, *, self_tokens, self_flat, remote_tokens, remote_flat=Non
                             flat=flat, **kw)
 
 
-def _row_pulls(rank_rows: list, ep: int, me: int) -> dict:
-    """``pulls_out`` / ``pulls_home`` from ``rank_rows`` (ep * ep: rows rank s sends rank d
-    towards the experts, at s * ep + d). A rank's send buffer holds its rows for the other
-    ranks in rank order: towards the experts, rank s's rows for d; home, the rows rank s
-    received from d."""
-    m = [[0 if s == d else rank_rows[s * ep + d] for d in range(ep)] for s in range(ep)]
-    out = RowPulls(offsets=tuple(sum(m[s][:me]) for s in range(ep)),
-                   max_rows=max(sum(row) for row in m))
-    home = RowPulls(offsets=tuple(sum(m[d][s] for d in range(me)) for s in range(ep)),
-                    max_rows=max(sum(m[d][s] for d in range(ep)) for s in range(ep)))
-    return {"pulls_out": out, "pulls_home": home}
+class AllToAllExchange(SortedRowsExchange):
+    """One row per (token, expert) over ``all_to_all_single`` with split sizes (NCCL on GPUs,
+    gloo on CPUs; across hosts)."""
 
+    backend = "all_to_all"
 
-class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
-    """One row per (token, expert) over ``all_to_all_single`` with split sizes."""
+    def __init__(self, *, num_experts: int, resources, group=None, fused_sums: bool = True):
+        group, ep, rank = group_and_size(group, self.backend)
+        super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group,
+                         resources=resources, fused_sums=fused_sums)
 
-    pulls = False  # whether the transport pulls rows from its peers (needs RowPulls)
-
-    def __init__(self, *, num_experts: int, group=None, fused_combine: bool = False,
-                 register_buffers: bool = False):
-        self.fused_combine = fused_combine
-        self.register_buffers = register_buffers
-        ep, rank = self._group_size_and_rank(group)
-        super().__init__(num_experts=num_experts, ep_size=ep, rank=rank, group=group)
+    def _exchange(self, send, send_splits, recv_splits, *, async_op=False, room=0):
+        n = sum(recv_splits)
+        send = send.contiguous()
+        buf = send.new_empty((n + room, *send.shape[1:]))
+        work = dist.all_to_all_single(buf[:n], send, list(recv_splits), list(send_splits),
+                                      group=self.group, async_op=async_op)
+        return buf, work
 
     def _layout_counts(self, plan):
         ep, r = self.ep_size, self.rank
@@ -380,14 +371,10 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
         # them, the sizes, this rank's send order and its home-buffer order, in two launches
         # on CUDA. After the sync the GPU waits for the host, so the index math there is one
         # launch (as torch ops it was ~0.85 ms of host time on the H200 hosts).
-        c = self._gather_counts(plan)
+        c = gather_counts(plan, ep, self.group)
         home = kernels.rows_home_side(c, plan.offs, plan.counts, plan.perm,
                                       plan.token_of_sorted, r, plan.top_k)
-        sizes = home.sizes[:2 * ep]
-        if self.pulls:  # every rank's rows to every rank, in the same host sync
-            sizes = torch.cat([sizes, c.view(ep, ep, -1).sum(-1).flatten().to(sizes.dtype)])
-        sizes = sizes.tolist()
-        pulls = {} if not self.pulls else _row_pulls(sizes[2 * ep:], ep, r)
+        sizes = home.sizes[:2 * ep].tolist()
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         own = send_splits[r]
         recv_start = sum(recv_splits[:r])
@@ -402,4 +389,4 @@ class AllToAllExchange(AllToAllTransport, SortedRowsExchange):
             remote_tokens=home.buffer_tokens[:n_send], remote_flat=home.buffer_flat[:n_send],
             self_tokens=home.buffer_tokens[n_send:], self_flat=home.buffer_flat[n_send:],
             self_dst=dst[n_recv:], recv_dst=dst[:n_recv], home_order=home.home_order,
-            local_offs=home.local_offs, num_rows=n, **pulls)
+            local_offs=home.local_offs, num_rows=n)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MoEConfig, _positive_int
+from ..config import REMOVED_OPTIONS, MoEConfig, _positive_int
 from ..layer import MoELayer, _balance_group, _refuse_nonfinite_bias_hook
 from ..pure.router import sorted_topk
 from ..replay import current_region, wrap_checkpoint
@@ -461,6 +461,9 @@ def resolve_preset(model: nn.Module, preset: str | None = None) -> Preset:
 
 
 def _check_options(options: dict, moe_layer_pattern, preset: Preset) -> None:
+    for name in options:
+        if name in REMOVED_OPTIONS:
+            raise ValueError(f"option {name!r} was removed: use {REMOVED_OPTIONS[name]}")
     derived = sorted(set(options) & set(DERIVED))
     if derived:
         raise ValueError(f"{derived} are set by the preset from the model (routing, sizes, "
@@ -579,10 +582,10 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     options: MoEConfig options that do not change what is computed (``OPTIONS``):
     gate_up_impl, score_apply ("post" or "activation"; "pre" is refused; Llama-4's is
     "pre", set by its preset, and refused as an option),
-    row_weighting_impl, combine_impl, comm_backend, comm_num_sm, all_to_all_dedup,
-    all_to_all_transport, overlap_weight_grad, skip_recompute_combine,
+    impl, comm_backend, comm_num_sm, overlap_weight_grad, skip_recompute_combine,
     recompute_in_checkpoint, and the in-layer balancing losses (aux_loss_coef,
-    aux_loss_scope, seq_aux_loss_coef, z_loss_coef; docs/load_balancing.md).
+    aux_loss_scope, seq_aux_loss_coef, z_loss_coef; docs/load_balancing.md); every default
+    is MoEConfig's (the fastest correct choice).
 
     Raises ValueError for an unsupported model type, a pattern that matches no block, a
     block the preset cannot compute (Step-3.7's post-activation clamp), an unknown or

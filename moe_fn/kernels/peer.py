@@ -1,5 +1,5 @@
 """Triton kernels that read rows straight out of other GPUs' memory (for
-``moe_fn.comm.peer_memory`` and ``moe_fn.comm.peer_rows``).
+``moe_fn.comm.peer_memory`` and ``moe_fn.comm.symm_mem``).
 
 Each rank exposes a tensor of rows (and optionally one value per row) in memory every
 rank can address (torch symmetric memory over NVLink); a *pull* then builds its output in

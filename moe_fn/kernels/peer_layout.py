@@ -1,4 +1,4 @@
-"""The layout index math of the ``symm_mem`` transport and of the collective row all_to_all
+"""The layout index math of the ``symm_mem`` exchange and of the collective row all_to_all
 in three Triton launches each: the same outputs as ``moe_fn.pure.peer_layout`` (bit for
 bit), which takes dozens of small torch ops. After the layout's host sync the GPU waits
 for the host, so its host time is the layout's cost: on the H200 hosts the torch versions

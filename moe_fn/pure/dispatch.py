@@ -16,7 +16,7 @@ contract, each step on its own. The exchanges move rows with fused forms of them
 ``gather_sum`` and ``weighted_gather_sum`` (unpermute and the sum over k in one step, with
 or without the weights; the tests check both against the pairs composed),
 ``masked_gather_sum`` (the token-once exchanges' per-token sums) and the ``peer_*`` /
-``slot_sum`` twins of the ``symm_mem`` transport's kernels. Sums run in float32 for half
+``slot_sum`` twins of the ``symm_mem`` exchange's kernels. Sums run in float32 for half
 types (float64 stays float64) and are cast once. No host syncs; backward passes are
 deterministic (gathers, permutation scatters and fixed-order sums, no atomics), except
 ``gather_sum_bwd``'s ``index_add``.

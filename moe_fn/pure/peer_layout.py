@@ -1,5 +1,5 @@
 """The index math of the exchanges' layouts that start from every rank's per-expert counts:
-the ``symm_mem`` transport (``moe_fn.comm.peer_rows``) and the collective row all_to_all
+the ``symm_mem`` exchange (``moe_fn.comm.symm_mem``) and the collective row all_to_all
 (``moe_fn.comm.sorted_rows``), each in two halves around its one host sync;
 ``moe_fn.kernels.peer_layout`` computes the same in three Triton launches (this index math
 is dozens of small torch ops, each tens of microseconds of host time, while the GPU waits

@@ -27,7 +27,7 @@ SCORE_APPLY = ("post", "pre", "activation")
 GATE_UP_IMPLS = ("fused", "separate")
 # The layer's implementation switches and their values; kept in this one place. Only those
 # MoEConfig has are drawn.
-IMPL_OPTIONS = {"row_weighting_impl": ("eager", "fused"), "combine_impl": ("eager", "fused")}
+IMPL_OPTIONS = {"impl": ("fused", "reference")}
 # Small limits so that random pre-activations reach both sides of the clamps.
 LIMITS = (None, 0.5, 2.0)
 ALPHAS = (None, 1.5)

@@ -80,20 +80,22 @@ def _all_presets(rank, world):
     for ckpt in (False, True):
         for name in AVAILABLE:  # the presets whose model this transformers has
             _check_preset(rank, world, name, ckpt)
-        # The token-once exchange, with the skip: Qwen3-MoE, GPT-OSS (biases, interleaved)
-        # and Llama-4 (routing weights on the experts' inputs), where this transformers has it.
+        # An exchange summing on the expert side (symm_mem's stand-in), with the skip:
+        # Qwen3-MoE, GPT-OSS (biases, interleaved) and Llama-4 (routing weights on the
+        # experts' inputs), where this transformers has it.
         for name in ("qwen3_moe", "gpt_oss", *(["llama4"] if "llama4" in AVAILABLE else [])):
-            _check_preset(rank, world, name, ckpt, all_to_all_dedup=True,
+            _check_preset(rank, world, name, ckpt, comm_backend="symm_mem",
                           skip_recompute_combine=ckpt)
-            # Routing weights applied inside the fused combine at home (biases included).
-            _check_preset(rank, world, name, ckpt, combine_impl="fused",
-                          row_weighting_impl="fused", skip_recompute_combine=ckpt)
+            # The reference weighting and combine (the default fuses them), with the skip.
+            _check_preset(rank, world, name, ckpt, impl="reference",
+                          skip_recompute_combine=ckpt)
             # DeepEP's exchange (over tests/fake_deep_ep.py's stand-in), with the skip.
             _check_preset(rank, world, name, ckpt, comm_backend="deepep",
                           skip_recompute_combine=ckpt)
             # Not recomputed: the forward's activations serve the checkpoint's backward.
             _check_preset(rank, world, name, ckpt, recompute_in_checkpoint=False,
-                          all_to_all_dedup=name == "gpt_oss")
+                          comm_backend="symm_mem" if name == "gpt_oss"
+                          else "all_to_all")
 
 
 def test_expert_parallel_presets_match_hf():

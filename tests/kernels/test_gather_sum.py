@@ -282,7 +282,7 @@ def test_gather_sum_reads_own_rows_where_they_are(dtype, weighted, n_src, n_own,
     twin). With values, each entry's value (a float32 routing-weight gradient: the packed
     bytes behind an arrival, or the own row's from its own array) is gathered bit for bit
     in the same pass."""
-    from moe_fn.comm.base import new_packed, pack_rows, value_bytes
+    from moe_fn.comm.packing import new_packed, pack_rows, value_bytes
 
     k = 2
     g = torch.Generator().manual_seed(3 * n_src + n_own)
@@ -471,7 +471,7 @@ def test_pack_rows_kernel_matches_the_gather_and_byte_copy(rows_dtype, values_dt
                                                            with_rows, with_index):
     """The one-pass packing writes exactly what a gather and a byte copy write (NaN and
     -0.0 values bit for bit), and nothing outside each row's row part and value bytes."""
-    from moe_fn.comm.base import _slots
+    from moe_fn.comm.packing import _slots
     from moe_fn.kernels import pack_rows
 
     g = torch.Generator().manual_seed(5)
@@ -633,7 +633,7 @@ def test_copy_rows_carries_values_to_the_rows_places(source, num_programs, n):
     """Values (a routing weight a row) land where their rows do, bit for bit, from a typed
     array through their own index (the own rows' weights) or from the raw bytes behind
     packed rows (the arrivals'); rows no index names keep their values."""
-    from moe_fn.comm.base import new_packed, pack_rows, value_bytes
+    from moe_fn.comm.packing import new_packed, pack_rows, value_bytes
     from moe_fn.kernels import copy_rows
 
     g = torch.Generator().manual_seed(n + 100)

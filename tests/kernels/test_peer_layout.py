@@ -2,7 +2,7 @@
 for bit, for every rank of random routes (on the GPU where there is one, else in the Triton
 interpreter): ranks without tokens, experts without rows, top_k 1, a token routed twice to
 one expert, E not a power of two. The pure math itself is checked against a brute-force
-oracle by tests/test_peer_rows.py (symm_mem) and below (row all_to_all)."""
+oracle by tests/comm/test_symm_mem.py (symm_mem) and below (row all_to_all)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,11 @@
-"""The end of a spawned expert-parallel process, once every rank is past its last
-collective (after a barrier)."""
+"""The process's communication resources: DeepEP's buffers, symmetric memory, the recompute
+skip's NaN sentinels and the side streams of overlapped moves, one owner per (process
+group, device) (``moe_fn.comm.resources``), made at first use.
+
+``release_comm_resources()`` frees them (call it on every rank, with nothing in flight,
+before ``destroy_process_group``); it also runs at interpreter exit. Every MoELayer's
+exchange draws on ``RESOURCES``.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +15,23 @@ import sys
 
 import torch.distributed as dist
 
-from .nccl_pool import release_registered_buffers
-from .peer_memory import release_peer_memory
+from .comm.resources import ResourceRegistry
+
+RESOURCES = ResourceRegistry(home=f"{__name__}:RESOURCES")
 
 
-def release_exchange_buffers() -> None:
-    """Free what the all_to_all exchanges keep between moves: the registered pools
-    (deregistered while their communicator lives) and the symmetric-memory buffers. Call on
-    every rank with nothing in flight, before ``destroy_process_group``; the next move makes
-    new ones. (DeepEP's ``Buffer``, built without ``explicitly_destroy``, stays until the
-    process ends, as in DeepEP's own tests.)"""
-    release_registered_buffers()
-    release_peer_memory()
+def release_comm_resources(group=None) -> None:
+    """Free what the exchanges keep between moves, for ``group`` (every group when None):
+    DeepEP's buffers (collectively), symmetric memory, sentinels, side streams. Call it on
+    every rank of those groups with nothing in flight, before ``destroy_process_group``; the
+    next move makes new ones."""
+    RESOURCES.release(group)
 
 
 def leave_after_last_collective(exit_code: int = 0, *, tear_down_nccl: bool = True) -> None:
-    """Release what the exchanges hold and leave. Over NCCL (with ``tear_down_nccl``):
-    ``release_exchange_buffers()`` while the communicator lives, then
+    """The end of a spawned expert-parallel process, once every rank is past its last
+    collective (after a barrier). Over NCCL (with ``tear_down_nccl``):
+    ``release_comm_resources()`` while the communicator lives, then
     ``destroy_process_group``; the caller returns as usual. Over gloo (or NCCL without
     ``tear_down_nccl``): exit the process now with ``exit_code``, skipping the teardown.
     Tearing gloo down, or the interpreter's exit after it, has now and then aborted a
@@ -43,6 +49,6 @@ def leave_after_last_collective(exit_code: int = 0, *, tear_down_nccl: bool = Tr
         sys.stderr.flush()
         logging.shutdown()
         os._exit(exit_code)
-    release_exchange_buffers()
+    release_comm_resources()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The symm_mem transport's layout against a brute-force oracle, and its moves against
+"""The symm_mem exchange's layout against a brute-force oracle, and its moves against
 plain loops, over gloo (the gathering stand-in): ranks without tokens, experts without
 rows, top_k = 1, tokens routed twice to one expert."""
 
@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_fn.comm.peer_rows import PeerRowsExchange
+from moe_fn.autograd.routing import row_weighting_backward
+from moe_fn.comm.base import Gathered
+from moe_fn.comm.resources import ResourceRegistry
+from moe_fn.comm.symm_mem import SymmMemExchange
 from moe_fn.layer import make_route_plan
 from tests.dist_utils import run_distributed
 
@@ -26,7 +29,7 @@ def _routes(world, e, k, seed):
 
 def _check(rank, world, e, k, seed):
     routes = _routes(world, e, k, seed)
-    ex = PeerRowsExchange(num_experts=e)
+    ex = SymmMemExchange(num_experts=e, resources=ResourceRegistry())
     h = ex.layout(make_route_plan(routes[rank], e))
     el = e // world
     # Each owner's expert-major rows: by local expert, then source rank, then the
@@ -63,7 +66,7 @@ def _check(rank, world, e, k, seed):
           for s in range(world)]
     ws = [torch.rand(len(routes[s]), k, generator=gen[s], dtype=torch.float64)
           for s in range(world)]
-    rows, row_w, _ = ex.dispatch_fwd(xs[rank], ws[rank], h)
+    rows, row_w, _ = ex.dispatch(xs[rank], ws[rank], h)
     assert torch.equal(rows, torch.stack([xs[s][i // k] for s, i in mine]) if mine
                        else torch.empty(0, H, dtype=torch.float64))
     assert row_w.tolist() == [float(ws[s].flatten()[i]) for s, i in mine]
@@ -79,23 +82,25 @@ def _check(rank, world, e, k, seed):
     for i in range(flat.numel()):
         want[i // k] += row_of(i)
         want_w[i // k] += row_of(i) * ws[rank].flatten()[i]
-    torch.testing.assert_close(ex.combine_fwd(y, h)[0], want)
+    torch.testing.assert_close(ex.combine(y, h)[0], want)
     # Routing weights folded into the expert side's sums: each row weighted by the weight
     # the dispatch delivered with it.
-    torch.testing.assert_close(ex.combine_row_weighted_fwd(y, row_w, h), want_w)
+    torch.testing.assert_close(ex.combine(y, h, weights=row_w)[0], want_w)
     d_out = torch.randn(len(routes[rank]), H, dtype=torch.float64, generator=gen[rank])
     d_outs = [None] * world
     dist.all_gather_object(d_outs, d_out)
     for fused in (False, True):
-        d_rows, d_rw = ex.combine_bwd_weighted_rows(h, d_out, y, row_w, fused=fused)
+        d = (ex.combine_backward_gathered(h, d_out) if fused
+             else Gathered(ex.combine_backward(h, d_out)[0]))
+        d_rows, d_rw = row_weighting_backward(d, y, row_w, fused=fused)
         for p, (s, i) in enumerate(mine):
             torch.testing.assert_close(d_rows[p], ws[s].flatten()[i] * d_outs[s][i // k])
             torch.testing.assert_close(d_rw[p], (d_outs[s][i // k] * y[p]).sum())
-    dx, d_w2 = ex.dispatch_bwd(h, y, row_w * 3)
+    dx, d_w2 = ex.dispatch_backward(h, y, row_w * 3).wait()
     torch.testing.assert_close(dx, want)
     assert d_w2.flatten().tolist() == [3 * float(ws[rank].flatten()[i]) for i in
                                        range(flat.numel())]
-    torch.testing.assert_close(ex.combine_bwd(h, d_out),
+    torch.testing.assert_close(ex.combine_backward(h, d_out)[0],
                                torch.stack([d_outs[s][i // k] for s, i in mine]) if mine
                                else torch.empty(0, H, dtype=torch.float64))
 
@@ -116,19 +121,16 @@ def test_layout_and_moves_match_a_brute_force_oracle(world):
 
 def _placement_body(rank, world):
     from moe_fn import MoEConfig, MoELayer
-    for impl, row_impl, want in [("fused", "eager", (False, True)),
-                                 ("fused", "fused", (False, True)),
-                                 ("eager", "fused", (False, True)),
-                                 ("eager", "eager", (False, False))]:
+    for impl, symm_want, collective_want in [("fused", (False, True), (True, False)),
+                                             ("reference", (False, False), (False, False))]:
         cfg = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
-                   comm_backend="all_to_all", ep_size=world, combine_impl=impl,
-                   row_weighting_impl=row_impl)
-        symm = MoELayer(MoEConfig(**cfg, all_to_all_transport="symm_mem"))
-        # symm_mem sums in float32 with the dispatch's float32 weights: the fused combine
-        # folds them into the expert side's sums instead of weighting at home.
-        assert symm._weight_placement() == want, (impl, row_impl)
+                   comm_backend="all_to_all", ep_size=world, impl=impl)
+        # symm_mem sums on the expert side, with the float32 weights the dispatch delivers:
+        # the fused path folds them into those sums; all_to_all weights at home.
+        symm = MoELayer(MoEConfig(**dict(cfg, comm_backend="symm_mem")))
+        assert symm._weight_placement() == symm_want, impl
         collective = MoELayer(MoEConfig(**cfg))
-        assert collective._weight_placement() == (impl == "fused", False), (impl, row_impl)
+        assert collective._weight_placement() == collective_want, impl
 
 
 @pytest.mark.multiproc

@@ -149,36 +149,3 @@ def test_written_exposures_fill_their_region_in_place(memory):
     # The next exposure, written or copied, goes to the other half.
     nxt = memory.expose(torch.ones(2, 8), None, 2, 0)
     assert nxt.rows[0].data_ptr() != view.rows[0].data_ptr() and memory._hdl.barriers == 2
-
-
-def test_release_frees_the_buffer_for_exchanges_built_before(monkeypatch):
-    """An exchange looks its buffer up every move: after ``release_peer_memory()`` nothing
-    keeps the old buffer alive and the next move gets a new one."""
-    import torch.distributed as dist
-
-    from moe_fn.comm.peer_rows import PeerRowsExchange
-
-    monkeypatch.setattr(pm, "SymmetricPeerMemory", lambda group, device: object())
-    monkeypatch.setattr(pm, "_SHARED", {})
-    fake_world = object()
-    monkeypatch.setattr(dist, "group", type("G", (), {"WORLD": fake_world}))
-    ex = PeerRowsExchange.__new__(PeerRowsExchange)
-    ex.group = None
-    cuda = torch.device("cuda", 0)
-    first = ex._mem(cuda)
-    assert ex._mem(cuda) is first  # one buffer per group and device, shared
-    pm.release_peer_memory()
-    assert ex._mem(cuda) is not first
-
-
-def test_leaving_without_gloo_releases_the_exchange_buffers(monkeypatch):
-    """Outside gloo (NCCL, or no group at all) a finished rank frees the symmetric buffers
-    and the registered pools before the group goes, and returns."""
-    from moe_fn.comm import peer_memory, teardown
-
-    released = []
-    monkeypatch.setattr(teardown, "release_registered_buffers", lambda: released.append(1))
-    monkeypatch.setitem(peer_memory._SHARED, ("group", "device"), ("group", object()))
-    assert not torch.distributed.is_initialized()
-    teardown.leave_after_last_collective()
-    assert not peer_memory._SHARED and released == [1]

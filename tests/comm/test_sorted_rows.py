@@ -58,16 +58,16 @@ def _body(rank, world, tokens):
     # Plain routing, fused weighting, top-k = E/ep, and the route steered off expert 0 and
     # off the last rank (which then keeps and receives no row).
     cases = [EP_CASES[0], EP_CASES[1], EP_CASES[3], EP_CASES[4]]
-    for combine_impl in ("eager", "fused"):
+    for impl in ("reference", "fused"):
         for n, kw in enumerate(cases):
             kw = dict(kw, num_experts=4 * world)  # divisible by the world
             if kw["top_k"] == "E/ep":
                 kw["top_k"] = kw["num_experts"] // world
             calls.clear()
-            ep_case(rank, world, kw, tokens, 99 + n, dict(combine_impl=combine_impl),
+            ep_case(rank, world, kw, tokens, 99 + n, dict(impl=impl),
                     dtype=torch.float32, before_ep=calls.clear)
             # (ep_case ends with a forward without grad mode.)
-            if combine_impl == "fused" and kw.get("score_apply", "post") == "post":
+            if impl == "fused" and kw.get("score_apply", "post") == "post":
                 # The dispatch places own rows and arrivals; the weighted combine, whose
                 # backward needs the rows, buffers them (its sum is the op, not counted
                 # here); that backward writes the own rows' gradients in place and places
@@ -76,7 +76,7 @@ def _body(rank, world, tokens):
                 assert calls == ["copy_rows", "copy_rows", "weighted_bwd_scatter",
                                  "copy_rows", "sum_own",
                                  "copy_rows", "copy_rows", "sum_own"], calls
-            elif combine_impl == "fused":
+            elif impl == "fused":
                 # The unweighted combine's backward needs no rows: in place either way. The
                 # routing weights ride in the dispatch's row copies; their gradients come
                 # home packed behind the row gradients (the own ones where they are) and
@@ -86,13 +86,11 @@ def _body(rank, world, tokens):
                                  "copy_rows_values", "copy_rows_values", "sum_own"], calls
             else:
                 # The dispatch places own rows and arrivals with their routing weights (the
-                # expert side applies them: the eager combine sums unweighted; fused row
-                # weighting in its kernel, once per forward); so does the combine's
-                # backward, a dispatch of the output gradient, without weights. The eager
-                # sums are torch ops.
+                # expert side applies them, in torch ops, and the reference combine sums
+                # unweighted); so does the combine's backward, a dispatch of the output
+                # gradient, without weights. The reference sums are torch ops.
                 moves = ["copy_rows_values"] * 2
-                rw = ["row_weight"] if kw.get("row_weighting_impl") == "fused" else []
-                assert calls == [*moves, *rw, "copy_rows", "copy_rows", *moves, *rw], calls
+                assert calls == [*moves, "copy_rows", "copy_rows", *moves], calls
 
 
 
@@ -123,7 +121,7 @@ def _skip_body(rank, world):
     grads = []
     for skip in (True, False):
         cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=3,
-                        row_weighting_impl="fused", comm_backend="all_to_all", ep_size=world,
+                        comm_backend="all_to_all", ep_size=world,
                         skip_recompute_combine=skip)
         torch.manual_seed(3)  # the same weights on every rank and in both layers
         layer = MoELayer(cfg)
@@ -158,21 +156,22 @@ def _expanded_weight_grad_body(rank, world, through_kernels):
     """A routing-weight gradient expanded from one value (stride 0, as autograd hands a
     sum's gradient back) travels home like a materialised one."""
     import moe_fn.kernels as kernels
+    from moe_fn.comm.resources import ResourceRegistry
     from moe_fn.comm.sorted_rows import AllToAllExchange
     from moe_fn.layer import make_route_plan
 
     kernels.use_triton = lambda t: through_kernels and t.dtype in KERNEL_DTYPES
     idx = torch.tensor([[0, 2], [1, 3], [2, 0]]) if rank == 0 else torch.tensor(
         [[2, 0], [3, 1], [1, 2]])
-    ex = AllToAllExchange(num_experts=4, fused_combine=True)
+    ex = AllToAllExchange(num_experts=4, resources=ResourceRegistry(), fused_sums=True)
     handle = ex.layout(make_route_plan(idx, 4))
     g = torch.Generator().manual_seed(rank)
-    rows, row_w, _ = ex.dispatch_fwd(torch.randn(3, 8, generator=g), torch.rand(3, 2, generator=g),
-                                     handle)
+    rows, row_w, _ = ex.dispatch(torch.randn(3, 8, generator=g), torch.rand(3, 2, generator=g),
+                                 handle)
     d_rows = torch.randn(rows.shape, generator=g)
     d_w = torch.full((), 0.5).expand(row_w.shape[0])
-    dx, dw = ex.dispatch_bwd(handle, d_rows, d_w)
-    want_dx, want_dw = ex.dispatch_bwd(handle, d_rows, d_w.contiguous())
+    dx, dw = ex.dispatch_backward(handle, d_rows, d_w).wait()
+    want_dx, want_dw = ex.dispatch_backward(handle, d_rows, d_w.contiguous()).wait()
     assert torch.equal(dw, torch.full((3, 2), 0.5)) and torch.equal(want_dw, dw)
     assert torch.equal(dx, want_dx)
 

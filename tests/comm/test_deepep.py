@@ -1,12 +1,12 @@
-"""expand_received (the token-once exchanges' expansion of received tokens into expert
-rows, DeepEP's included) against a naive per-slot construction."""
+"""expand_received (DeepEP's expansion of received tokens into expert rows) against a naive
+per-slot construction."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_fn.comm.base import expand_received
+from moe_fn.comm.deepep import DeepEPExchange, expand_received
 
 
 def naive(local_idx, e_local):
@@ -34,16 +34,14 @@ def test_expand_received_matches_naive(r, k, e_local):
 
 
 def test_per_slot_values_follow_the_table_and_are_zero_elsewhere():
-    """The token-once exchanges' (received token, k) table of row values (DeepEP's and the
-    dedup exchange's routing-weight gradients): the row's value where the slot's expert is
+    """DeepEP's (received token, k) table of row values (its routing-weight gradients): the
+    row's value where the slot's expert is
     local, zero where it lives elsewhere, in the values' dtype, also with no rows at all."""
-    from moe_fn.comm.tokens import TokenRowsExchange
-
     table = torch.tensor([[2, -1, 0], [-1, -1, 1]])
     values = torch.tensor([0.5, -1.5, 4.0], dtype=torch.bfloat16)
-    got = TokenRowsExchange._per_slot(values, table)
+    got = DeepEPExchange._per_slot(values, table)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, torch.tensor([[4.0, 0.0, 0.5], [0.0, 0.0, -1.5]],
                                          dtype=torch.bfloat16))
-    empty = TokenRowsExchange._per_slot(torch.zeros(0), torch.full((2, 3), -1))
+    empty = DeepEPExchange._per_slot(torch.zeros(0), torch.full((2, 3), -1))
     assert torch.equal(empty, torch.zeros(2, 3))

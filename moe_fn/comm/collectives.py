@@ -1,0 +1,27 @@
+"""The small collectives the exchanges' layouts (and the layer's agreement check) run."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecates the old name); 2.11 lacks it.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_and_size(group, backend: str) -> tuple:
+    """``(group, size, rank)`` of an expert-parallel group (None: the default group, kept
+    as None so that a layer holding it can be copied), which torch.distributed must have
+    made already."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"comm_backend={backend!r} needs torch.distributed initialised "
+                           "(dist.init_process_group) before the layer is built")
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def gather_counts(plan, ep_size: int, group) -> torch.Tensor:
+    """``(ep, E)``: every rank's per-expert row counts (``plan.counts``), one collective
+    without a host sync."""
+    c = plan.counts.new_empty(ep_size * plan.counts.numel())
+    all_gather(c, plan.counts.contiguous(), group=group)
+    return c.view(ep_size, -1)

@@ -138,8 +138,7 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
 
 EP_CASES = [
     dict(num_experts=8, top_k=2),
-    # Fused weighting: folded into the per-token sum of the token-once exchange.
-    dict(num_experts=8, top_k=3, row_weighting_impl="fused"),
+    dict(num_experts=8, top_k=3),
     dict(num_experts=8, top_k=1, score_apply="pre", gate_up_impl="separate"),
     dict(num_experts=8, top_k="E/ep", score_apply="activation", activation="swiglu_oai"),
     # Steered routing: expert 0 and the whole last rank receive no rows.

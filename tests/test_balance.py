@@ -71,7 +71,7 @@ CASES = [
     dict(score_func="softmax_topk", norm_topk_prob=False, router_bias=True),
     dict(score_apply="pre"),
     dict(score_apply="activation"),
-    dict(combine_impl="fused"),
+    dict(impl="reference"),
 ]
 
 
@@ -280,8 +280,7 @@ def _check_modes(world=1, rank=0, batch=(2, 3), **kw):
 
 @pytest.mark.filterwarnings("ignore:skip_recompute_combine=True does not apply")
 @pytest.mark.parametrize("kw", [dict(), dict(score_apply="pre"),
-                                dict(score_apply="post", row_weighting_impl="fused",
-                                     combine_impl="fused"),
+                                dict(score_apply="post", impl="reference"),
                                 dict(score_func="sigmoid", score_apply="activation")])
 def test_every_checkpoint_mode_trains_as_without_one(kw):
     ref = _check_modes(**kw)
@@ -292,11 +291,11 @@ def _ep_group_body(rank, world):
     fake_deep_ep.install()
     batches = {2: [(3, 2), (2, 2)], 4: [(2, 2), (1, 2), (0, 2), (3, 2)]}[world]
     batch = batches[rank]
-    for exchange in (dict(), dict(all_to_all_dedup=True), dict(comm_backend="deepep")):
+    for exchange in (dict(), dict(comm_backend="symm_mem"), dict(comm_backend="deepep")):
         _ep_oracle_case(rank, world, batches, exchange)
     # Every checkpoint mode trains as the unchecked layer, with one all-reduce of E counts
     # per layer and step, never a second one in a recompute.
-    for exchange in (dict(), dict(all_to_all_dedup=True), dict(comm_backend="deepep")):
+    for exchange in (dict(), dict(comm_backend="symm_mem"), dict(comm_backend="deepep")):
         ref = _check_modes(world, rank, batch=batch, aux_loss_scope="group", **exchange)
         assert all(int(step["reduces"]) == 2 for step in ref)
 

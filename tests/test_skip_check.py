@@ -137,7 +137,8 @@ def test_a_use_the_check_cannot_trace_is_refused(name):
 
 def test_misuse_is_refused_with_post_weighting_folded_and_fused():
     fn, op = MISUSES["tanh"]
-    _refused(fn, op, score_apply="post", row_weighting_impl="fused", combine_impl="fused")
+    _refused(fn, op, score_apply="post", impl="fused")
+    _refused(fn, op, score_apply="post", impl="reference")
     _refused(fn, op, score_apply="activation")
 
 

@@ -132,7 +132,8 @@ def _sl(t, e):
 
 
 class _SquaredWeights(MoELayer):
-    """A wrong layer: routing weights squared after the experts."""
+    """A wrong layer: routing weights squared after the experts (the reference path's
+    weighting pass; impl='fused' weighs inside the combine)."""
 
     def _weight_rows(self, rows, row_w):
         return rows * (row_w * row_w).to(rows.dtype)[:, None]
@@ -149,7 +150,8 @@ class _FrozenRouting(MoELayer):
 @pytest.mark.parametrize("cls,name", [(_SquaredWeights, "out"),
                                       (_FrozenRouting, "^grad x")])
 def test_gradcheck_layer_catches_wrong_layers(cls, name):
-    cfg = MoEConfig(hidden_size=6, intermediate_size=4, num_experts=4, top_k=2)
+    cfg = MoEConfig(hidden_size=6, intermediate_size=4, num_experts=4, top_k=2,
+                    impl="reference")
     layer = cls(cfg, dtype=torch.float64)
     load_params(layer, random_params(cfg, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(AssertionError, match=name):

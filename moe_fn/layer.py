@@ -17,7 +17,6 @@ from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
 from .balance import BalanceLosses, LayerBalance
-from .comm import collectives
 from .comm.base import Exchange, Summation
 from .comm.carveout import sm_count
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
@@ -176,8 +175,10 @@ class MoELayer(nn.Module):
         # own checks already have).
         self._experts_static = (*config.act_static, resolve_layout(config.gate_up_layout),
                                 config.gate_up_impl == "fused")
-        # (dtype, device) the expert-parallel group last agreed on; see _check_ranks_agree.
-        self._ranks_agree_on = None
+        # The agreement stamp per (dtype, device) (_agreement_stamp), and the (dtype,
+        # device) whose comm_num_sm was last checked.
+        self._stamps = {}
+        self._sms_checked_on = None
         # Said once per layer: a non-reentrant recompute replays but cannot skip.
         self.skip_mode_warned = False
 
@@ -382,27 +383,42 @@ class MoELayer(nn.Module):
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
                                  "or the layer (layer.to(device))")
 
-    def _check_ranks_agree(self, x) -> None:
-        """Every rank of the expert-parallel group runs this layer from the same config and
-        in the same dtype: else the exchange's collectives would mismatch sizes (a process
-        abort in the backend, or a hang) or reinterpret rows of another dtype bit for bit.
-        One small all-gather (and host sync) per dtype and device the layer sees."""
-        mine = torch.tensor([zlib.crc32(repr(self.config).encode()),
-                             zlib.crc32(str(x.dtype).encode())], dtype=torch.int64,
-                            device=x.device)
-        ep = self.exchange.ep_size
-        every = mine.new_empty(ep * 2)
-        collectives.all_gather(every, mine, group=self.exchange.group)
-        rows = every.view(ep, 2).tolist()
-        for rank, (cfg, dtype) in enumerate(rows):
-            what = [w for w, same in (("config", cfg == rows[0][0]),
-                                      ("dtype", dtype == rows[0][1])) if not same]
-            if what:
-                raise ValueError(
-                    f"rank {rank} of the expert-parallel group runs this MoELayer with another "
-                    f"{' and '.join(what)} than rank 0 (this rank: {x.dtype}): every rank must "
-                    "build its layer from the same MoEConfig and call it in one dtype")
-        self._ranks_agree_on = (x.dtype, x.device)
+    def _agreement_stamp(self, x) -> torch.Tensor:
+        """What every rank of the expert-parallel group must share to exchange rows with
+        the others: this layer's config, ``x``'s dtype and device type, hashed into a small
+        int64 tensor on ``x``'s device (made once per dtype and device: no copy per call)."""
+        key = (x.dtype, x.device)
+        stamp = self._stamps.get(key)
+        if stamp is None:
+            words = (repr(self.config), str(x.dtype), x.device.type)
+            # 31-bit words: they travel with int32 or int64 counts alike.
+            stamp = torch.tensor([zlib.crc32(w.encode()) & 0x7FFFFFFF for w in words],
+                                 dtype=torch.int64, device=x.device)
+            self._stamps[key] = stamp
+        return stamp
+
+    def _agree(self, x_dtype):
+        """The check the exchange runs on every rank's stamps (the same list everywhere,
+        so every rank raises together): every rank builds its layer from the same config
+        and calls it in one dtype, else the exchange's collectives would mismatch sizes
+        (a process abort in the backend, or a hang) or reinterpret rows bit for bit."""
+        def check(rows):
+            for rank, row in enumerate(rows):
+                what = [w for w, a, b in zip(("config", "dtype", "device type"), row, rows[0])
+                        if a != b]
+                if what:
+                    raise ValueError(
+                        f"rank {rank} of the expert-parallel group runs this MoELayer with "
+                        f"another {' and '.join(what)} than rank 0 (this rank: {x_dtype}): "
+                        "every rank must build its layer from the same MoEConfig and call it "
+                        "in one dtype")
+        return check
+
+    def _agreement(self, x) -> dict:
+        """The layout's agreement arguments: none on one rank."""
+        if self.exchange.ep_size == 1:
+            return {}
+        return dict(stamp=self._agreement_stamp(x), agree=self._agree(x.dtype))
 
     def _check_capturable(self, region) -> None:
         # A captured graph replays kernels only: the host-side work these paths do per
@@ -483,8 +499,9 @@ class MoELayer(nn.Module):
         sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
-            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange,
-                                                 self.exchange.layout(plan), False, *overlap)
+            layout = self.exchange.layout(plan, **self._agreement(x2))
+            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, layout, False,
+                                                 *overlap)
             if trains:
                 self.balance.count(plan.counts)
             if region is not None:
@@ -631,10 +648,10 @@ class MoELayer(nn.Module):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             self._check_capturable(region)
         if (self.exchange.ep_size > 1
-                and self._ranks_agree_on != (x.dtype, x.device)):
+                and self._sms_checked_on != (x.dtype, x.device)):
             if x.is_cuda and takes_comm_sms(c):
                 check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
-            self._check_ranks_agree(x)
+            self._sms_checked_on = (x.dtype, x.device)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region, seq_len)
         else:

@@ -282,11 +282,13 @@ def _count_collectives(world, dtype):
     collectives.all_gather = counting(real_gather)
     try:
         x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
-        layer(x)  # the first call per dtype also checks that the ranks agree: one gather
+        layer(x)
         first = len(calls)
         out = layer(x)
         forward = len(calls) - first
-        assert first == forward + 1, calls
+        # The ranks' agreement travels in the layout's counts gather: no collective of its
+        # own, at the first call or later.
+        assert first == forward, calls
         out.float().sum().backward()
         backward = len(calls) - first - forward
     finally:
@@ -320,6 +322,38 @@ def _mismatch_body(rank, world, differ):
     if differ == "dtype":  # each rank's layer in one dtype: agreed, and it runs
         layer.float()
         layer(torch.randn(5, 8))
+
+
+def _later_mismatch_body(rank, world, backend):
+    fake_deep_ep.install()
+    kw = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+              comm_backend=backend, ep_size=world)
+    layer = MoELayer(MoEConfig(**kw), dist.group.WORLD)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    layer(x)  # both ranks agree on the first call
+    # One rank alone changes dtype: every rank is told at the next call (no abort, no hang).
+    if rank == 0:
+        layer.to(torch.float64)
+    with pytest.raises(ValueError, match="rank 1 .* another dtype than rank 0"):
+        layer(x.to(torch.float64) if rank == 0 else x)
+    layer.float()
+    # One rank alone rebuilds its layer (same config, same weights): it simply runs on.
+    want = layer(x)
+    if rank == 1:
+        fresh = MoELayer(MoEConfig(**kw), dist.group.WORLD)
+        fresh.load_state_dict(layer.state_dict())
+        layer = fresh
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    assert layer.exchange.counters["layout"] >= 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["all_to_all", "symm_mem", "deepep"])
+def test_ranks_that_diverge_after_the_first_call_are_told_on_every_rank(backend):
+    """The agreement travels in every fresh layout (the exchange's first collective), not
+    once per layer and dtype: a rank whose dtype changed alone, or whose layer was rebuilt
+    alone, meets the same collectives as the others (gloo aborted the process before)."""
+    run_distributed(_later_mismatch_body, 2, backend)
 
 
 @pytest.mark.multiproc

@@ -126,8 +126,14 @@ class Exchange(abc.ABC):
         return self.resources.get(self.group, device)
 
     @abc.abstractmethod
-    def layout(self, plan: RoutePlan):
-        """What the dispatch of ``plan``'s rows needs to know before it runs."""
+    def layout(self, plan: RoutePlan, *, stamp=None, agree=None):
+        """What the dispatch of ``plan``'s rows needs to know before it runs.
+
+        ``stamp`` (a small int64 tensor) travels to every rank in the layout's first
+        collective, and ``agree`` is called with every rank's stamp (a host list, the same
+        on every rank) before any collective that the ranks' disagreement could break:
+        so a caller's agreement check runs on every rank at every fresh layout, without a
+        collective of its own where the layout gathers counts anyway."""
 
     @abc.abstractmethod
     def dispatch(self, x, weights, layout, *, cached: bool = False):

@@ -19,9 +19,23 @@ def group_and_size(group, backend: str) -> tuple:
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def gather_counts(plan, ep_size: int, group) -> torch.Tensor:
+def gather_counts(plan, ep_size: int, group, stamp=None):
     """``(ep, E)``: every rank's per-expert row counts (``plan.counts``), one collective
-    without a host sync."""
-    c = plan.counts.new_empty(ep_size * plan.counts.numel())
-    all_gather(c, plan.counts.contiguous(), group=group)
-    return c.view(ep_size, -1)
+    without a host sync. With ``stamp`` (a small int64 tensor) every rank's stamp travels
+    in the same collective: returns ``(counts (ep, E), stamps (ep, S))``."""
+    mine = plan.counts.contiguous()
+    if stamp is not None:
+        mine = torch.cat([mine, stamp.to(mine.device, mine.dtype)])
+    c = mine.new_empty(ep_size * mine.numel()).view(ep_size, -1)
+    all_gather(c.view(-1), mine, group=group)
+    if stamp is None:
+        return c
+    e = plan.counts.numel()
+    return c[:, :e], c[:, e:]
+
+
+def gather_stamps(stamp, ep_size: int, group) -> torch.Tensor:
+    """``(ep, S)``: every rank's ``stamp``, for exchanges whose layout gathers nothing."""
+    every = stamp.new_empty(ep_size * stamp.numel())
+    all_gather(every, stamp.contiguous(), group=group)
+    return every.view(ep_size, -1)

@@ -23,6 +23,7 @@ from .base import (
     check_cached_tokens,
     check_combine_weights,
 )
+from .collectives import gather_stamps
 
 _HOW_TO_GET = (
     "comm_backend='deepep' needs DeepEP's v1 Buffer API (import deep_ep). The PyPI package "
@@ -108,8 +109,14 @@ class DeepEPExchange(Exchange):
             return row_values.new_zeros(table.shape)
         return torch.where(table >= 0, row_values.reshape(-1)[table.clamp(min=0)], 0)
 
-    def layout(self, plan: RoutePlan):
+    def layout(self, plan: RoutePlan, *, stamp=None, agree=None):
         self.counters["layout"] += 1
+        if stamp is not None:
+            # DeepEP's layout is local and its dispatch's notify is internal: the stamps
+            # need a small collective of their own, before anything DeepEP runs.
+            stamps = gather_stamps(stamp, self.ep_size, self.group)
+            if agree is not None:
+                agree(stamps.tolist())
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             plan.topk_idx, self.num_experts)
         return plan, per_rank, per_expert, in_rank

@@ -82,12 +82,12 @@ class SortedRowsExchange(Exchange):
         ``(buffer, work)``, ``work`` None or what to wait on."""
         raise NotImplementedError
 
-    def _layout_counts(self, plan: RoutePlan):
+    def _layout_counts(self, plan: RoutePlan, stamp=None, agree=None):
         raise NotImplementedError
 
-    def layout(self, plan: RoutePlan) -> SortedRowsHandle:
+    def layout(self, plan: RoutePlan, *, stamp=None, agree=None) -> SortedRowsHandle:
         self.counters["layout"] += 1
-        return self._layout_counts(plan)
+        return self._layout_counts(plan, stamp, agree)
 
     # ---- the two moves ---------------------------------------------------------------------
     # Towards the experts (``_to_experts``) and home (``_to_home``). Both take optional
@@ -329,7 +329,7 @@ class LocalExchange(SortedRowsExchange):
     def _exchange(self, send, send_splits, recv_splits, *, async_op=False, room=0):
         raise AssertionError("the local exchange moves nothing between ranks")
 
-    def _layout_counts(self, plan):
+    def _layout_counts(self, plan, stamp=None, agree=None):
         n = plan.perm.numel()
         offs = plan.offs
         return _make_handle(plan, send_splits=(0,), recv_splits=(0,), remote_tokens=None,
@@ -365,16 +365,20 @@ class AllToAllExchange(SortedRowsExchange):
                                       group=self.group, async_op=async_op)
         return buf, work
 
-    def _layout_counts(self, plan):
+    def _layout_counts(self, plan, stamp=None, agree=None):
         ep, r = self.ep_size, self.rank
         # Before the one host sync: every rank's counts (one small collective) and, from
         # them, the sizes, this rank's send order and its home-buffer order, in two launches
         # on CUDA. After the sync the GPU waits for the host, so the index math there is one
         # launch (as torch ops it was ~0.85 ms of host time on the H200 hosts).
-        c = gather_counts(plan, ep, self.group)
+        c = gather_counts(plan, ep, self.group, stamp)
+        if stamp is not None:
+            c, stamps = c
         home = kernels.rows_home_side(c, plan.offs, plan.counts, plan.perm,
                                       plan.token_of_sorted, r, plan.top_k)
         sizes = home.sizes[:2 * ep].tolist()
+        if agree is not None:
+            agree(stamps.tolist())  # the GPU is synced already: a read, not another wait
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         own = send_splits[r]
         recv_start = sum(recv_splits[:r])

@@ -66,14 +66,19 @@ class SymmMemExchange(Exchange):
         return self.resources_on(device).peer_memory()
 
     # ---- layout ------------------------------------------------------------------------
-    def layout(self, plan: RoutePlan) -> SymmMemHandle:
+    def layout(self, plan: RoutePlan, *, stamp=None, agree=None) -> SymmMemHandle:
         self.counters["layout"] += 1
         ep, me, k = self.ep_size, self.rank, plan.top_k
-        c = gather_counts(plan, ep, self.group)  # (ep, E): rows each rank sends to each expert
+        # (ep, E): rows each rank sends to each expert (and every rank's stamp).
+        c = gather_counts(plan, ep, self.group, stamp)
+        if stamp is not None:
+            c, stamps = c
         home = kernels.peer_home_side(c, plan.offs, plan.counts, plan.topk_idx, plan.inv_perm,
                                       me, k)
         # One host sync: the index exchange's split sizes and the exposed sizes.
         sizes = home.sizes.tolist()
+        if agree is not None:
+            agree(stamps.tolist())
         recv_splits, send_splits = sizes[:ep], sizes[ep:2 * ep]
         max_tokens, max_rows = sizes[2 * ep:]
         n = sum(recv_splits)

@@ -46,9 +46,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: NCCL with one GPU per rank where there are enough, else gloo")
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()
+                                     and torch.cuda.device_count() >= ranks_here)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -57,7 +57,8 @@ def test_hf_convert_matches_transformers():
 @pytest.mark.multiproc
 def test_ep_torchrun_matches_one_process():
     out = _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.join(EXAMPLES, "ep_torchrun.py"), "--steps", "3", timeout=300)
+               os.path.join(EXAMPLES, "ep_torchrun.py"), "--steps", "3", "--device", "cpu",
+               timeout=300)
     assert "rank 0: experts 0-3" in out and "rank 1: experts 4-7" in out, out
     assert "EP2 over gloo" in out, out
     # One layout and one dispatch per step: nothing is routed twice.

@@ -134,9 +134,15 @@ class AuxLossHooks:
         if not torch.is_grad_enabled():
             return None
         try:
-            bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+            sig = inspect.signature(model.forward)
+            bound = dict(sig.bind_partial(*args, **kwargs).arguments)
         except TypeError:  # the model's own call will say what is wrong
             return None
+        # Arguments the forward takes only through **kwargs (Qwen3-VL-MoE's
+        # output_router_logits in transformers 5.17) count as passed.
+        for p in sig.parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                bound = {**bound.pop(p.name, {}), **bound}
         text = _text_config(model.config)
         wants = bound.get("output_router_logits")
         wants = getattr(text, "output_router_logits", False) if wants is None else wants

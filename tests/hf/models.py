@@ -317,30 +317,22 @@ class _KeepFloat64(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         this = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if this is not None and this.dtype == torch.float64:
-            if func is torch.Tensor.float:
-                return this
-            if func is torch.Tensor.uniform_:
-                draw = torch.empty_like(this, dtype=torch.float32).uniform_(*args[1:], **kwargs)
-                return this.copy_(draw)
-            if func in (torch.Tensor.to, torch.Tensor.type):
-                if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other)
-                    args = (this, args[1].device, args[1].dtype, *args[2:])
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        if kwargs.get("dtype") is torch.float32 and _any_float64(args, kwargs):
+        # Casts to float32 become casts to float64, of float64 tensors and of others alike
+        # (an int tensor's .float() meets float64 operands: older transformers' rotary
+        # embedding multiplies position ids, cast so, with a float64 buffer).
+        if this is not None and func is torch.Tensor.float:
+            return this.to(torch.float64)
+        if this is not None and func in (torch.Tensor.to, torch.Tensor.type):
+            if (this.dtype == torch.float64 and len(args) > 1
+                    and isinstance(args[1], torch.Tensor)):  # .to(other)
+                args = (this, args[1].device, args[1].dtype, *args[2:])
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if this is not None and this.dtype == torch.float64 and func is torch.Tensor.uniform_:
+            draw = torch.empty_like(this, dtype=torch.float32).uniform_(*args[1:], **kwargs)
+            return this.copy_(draw)
+        if kwargs.get("dtype") is torch.float32:  # factories and casts alike
             kwargs["dtype"] = torch.float64
         return func(*args, **kwargs)
-
-
-def _any_float64(args, kwargs):
-    stack = [*args, *kwargs.values()]
-    while stack:
-        a = stack.pop()
-        if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
-            return True
-        if isinstance(a, (list, tuple)):
-            stack.extend(a)
-    return False
 
 
 def float64_twin(module):

@@ -9,10 +9,10 @@
    - exchange throughput: permute + exchange + unpermute against raw all_to_all_single of
      the same payload, and DeepEP dispatch/combine; for the row all_to_alls also from a
      busy GPU (the moves' GPU time, the host's launches queued ahead);
-   - recompute (issue 4): forward + checkpointed recompute + backward with the combine skip
+   - recompute: forward + checkpointed recompute + backward with the combine skip
      on and off; fresh dispatch (layout + dispatch) against a cached one; the forward combine;
      a profiler table of the kernels whose time differs most between skip off and on;
-   - overlap (issue 5): layer backward with overlap_weight_grad on/off at comm_num_sm 12,
+   - overlap: layer backward with overlap_weight_grad on/off at comm_num_sm 12,
      20, 24; the backward combine and the dW GEMMs alone; a profiler count of the time
      communication kernels ran concurrently with the dW GEMMs.
 """

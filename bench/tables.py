@@ -2,7 +2,8 @@
 
 ``python -m bench.tables bench/baselines/h200.json`` prints every table; ``--write
 bench/RESULTS.md`` replaces the blocks between ``<!-- table: NAME -->`` and
-``<!-- end table -->`` in place. ``tests/test_results_page.py`` checks that the page's blocks
+``<!-- end table -->`` in place; ``--plot docs/layer.png`` draws the README's figure (needs
+matplotlib). ``tests/test_results_page.py`` checks that the page's blocks
 are what the committed baseline renders, so the page cannot drift from its data.
 """
 
@@ -242,13 +243,53 @@ def fill(page: str, data: dict) -> str:
     return BLOCK.sub(sub, page)
 
 
+def plot_layer(data: dict, path: str) -> None:
+    """The Qwen3-30B-A3B layer's forward + backward TFLOP/s per token count and arm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = Runs(data)
+    models = [m for m in LAYER_ROWS if m.startswith("qwen3")]
+    arms = {"moe_fn": "moe_fn", "torch": "plain PyTorch",
+            "transformers": "transformers grouped_mm"}
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=120)
+    width = 0.8 / len(arms)
+    for j, (arm, label) in enumerate(arms.items()):
+        ys = [r.info("test_layer", "tflops", model=m, arm=arm, phase="fwd+bwd") or 0
+              for m in models]
+        xs = [i + (j - 1) * width for i in range(len(models))]
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ceiling = next((b["extra_info"]["ceiling_tflops"] for b in r.rows
+                    if "ceiling_tflops" in b["extra_info"]), None)
+    if ceiling:
+        ax.axhline(ceiling, color="grey", lw=0.8, ls="--")
+        ax.set_ylim(0, ceiling * 1.25)
+        ax.text(len(models) - 0.5, ceiling, f"bf16 matmul ceiling {ceiling:.0f}", ha="right",
+                va="bottom", fontsize=7, color="grey")
+    ax.set_xticks(range(len(models)), [m.split("-t")[-1] + " tokens" for m in models])
+    ax.set_ylabel("TFLOP/s (forward + backward)")
+    m = data["machine_info"]
+    ax.set_title(f"Qwen3-30B-A3B MoE layer, bf16, one {m.get('device', 'GPU')}; "
+                 f"torch {m.get('torch', '')}", fontsize=9)
+    ax.legend(fontsize=8, frameon=False, loc="upper left", ncols=3)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="a pytest-benchmark JSON (--benchmark-json)")
     p.add_argument("--write", metavar="PAGE", help="fill PAGE's table blocks in place")
+    p.add_argument("--plot", metavar="PNG", help="draw the layer figure")
     args = p.parse_args(argv)
     with open(args.json) as f:
         data = json.load(f)
+    if args.plot:
+        plot_layer(data, args.plot)
+        return
     if args.write:
         with open(args.write) as f:
             page = f.read()

@@ -215,9 +215,9 @@ class MoEConfig:
         20, group="exchange",
         doc="SMs the communication takes: DeepEP's kernels (even), the symm_mem pulls of\n"
             "an overlapped backward, and the SMs the overlap withholds from the\n"
-            "weight-gradient GEMMs. At EP2 the overlapped backward was fastest at 20 over\n"
-            "all_to_all and symm_mem, and within 5% of its best (24) over deepep\n"
-            "(bench/RESULTS.md, issue 5).")
+            "weight-gradient GEMMs. At EP2 the overlap hid the most of the backward combine\n"
+            "at 12 over deepep and symm_mem and at 20 over all_to_all (bench/RESULTS.md,\n"
+            "weight-gradient overlap).")
     overlap_weight_grad: bool = option(
         False, group="exchange",
         doc="Run the experts' weight-gradient GEMMs beside the backward combine of dX\n"

@@ -1,4 +1,4 @@
-"""overlap_weight_grad: dW GEMMs beside the backward combine (issue 5)."""
+"""overlap_weight_grad: dW GEMMs beside the backward combine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Activation checkpointing: routing replay and the recompute-combine skip (issue 4)."""
+"""Activation checkpointing: routing replay and the recompute-combine skip."""
 
 from __future__ import annotations
 

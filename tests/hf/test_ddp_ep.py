@@ -1,7 +1,8 @@
-"""The README's recipe for expert parallelism with data parallelism over the same ranks:
-DDP ignores the expert parameters (so its start-up broadcast and gradient averaging leave
-them alone), the expert gradients are divided by the group size; the result equals one
-process training the unconverted model on every rank's batch (gloo, 2 ranks)."""
+"""docs/expert_parallel.md's recipe for expert parallelism with data parallelism over the
+same ranks: DDP ignores the expert parameters (so its start-up broadcast and gradient
+averaging leave them alone), the expert gradients are divided by the group size; the
+result equals one process training the unconverted model on every rank's batch (gloo,
+2 ranks)."""
 
 from __future__ import annotations
 

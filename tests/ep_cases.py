@@ -27,6 +27,21 @@ def randomize(layer):
                 p.normal_(0, 0.5)
 
 
+def load_rank_slice(layer, full, rank):
+    """Copy into ``layer`` (rank ``rank``'s expert-parallel layer) the replicated parameters
+    of ``full`` (one layer holding every expert) and its own experts' slice, which it
+    returns (the expert dimension's slice of ``full``'s tensors)."""
+    e_local = layer.config.num_local_experts
+    sl = slice(rank * e_local, (rank + 1) * e_local)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            src = full.get_parameter(name)
+            p.copy_(src[sl] if name.startswith("experts.") else src)
+        for name, b in layer.named_buffers():
+            b.copy_(full.get_buffer(name))
+    return sl
+
+
 def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64,
             before_ep=None):
     """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against the float64
@@ -56,19 +71,7 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
     cfg = small_config(**{**kw, "comm_backend": "all_to_all", "ep_size": world,
                           **(exchange_kw or {})})
     layer = MoELayer(cfg, dtype=dtype)
-    e_local = cfg.num_local_experts
-    sl = slice(rank * e_local, (rank + 1) * e_local)
-    with torch.no_grad():
-        layer.router.weight.copy_(ref.router.weight)
-        layer.experts.gate_up_proj.copy_(ref.experts.gate_up_proj[sl])
-        layer.experts.down_proj.copy_(ref.experts.down_proj[sl])
-        if cfg.router_bias:
-            layer.router.bias.copy_(ref.router.bias)
-        if cfg.expert_bias:
-            layer.experts.gate_up_proj_bias.copy_(ref.experts.gate_up_proj_bias[sl])
-            layer.experts.down_proj_bias.copy_(ref.experts.down_proj_bias[sl])
-        if cfg.score_correction_bias:
-            layer.router.e_score_correction_bias.copy_(ref.router.e_score_correction_bias)
+    sl = load_rank_slice(layer, ref, rank)
     start = sum(tokens_per_rank[:rank])
     rows = slice(start, start + tokens_per_rank[rank])
     plain = {}

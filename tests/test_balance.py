@@ -17,6 +17,7 @@ from moe_fn import MoEConfig, MoELayer
 from moe_fn.testing import MoEParams, reference_moe
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
+from tests.ep_cases import load_rank_slice
 from tests.ep_cases import randomize as _randomize
 from tests.pure.test_balance import naive_sequence, naive_switch, naive_z
 
@@ -323,12 +324,7 @@ def _ep_oracle_case(rank, world, batches, exchange):
 
     cfg = evolve(full, **{"comm_backend": "all_to_all", "ep_size": world, **exchange})
     layer = MoELayer(cfg, dtype=torch.float64)
-    el = cfg.num_local_experts
-    sl = slice(rank * el, (rank + 1) * el)
-    with torch.no_grad():
-        layer.router.weight.copy_(ref_layer.router.weight)
-        layer.experts.gate_up_proj.copy_(ref_layer.experts.gate_up_proj[sl])
-        layer.experts.down_proj.copy_(ref_layer.experts.down_proj[sl])
+    sl = load_rank_slice(layer, ref_layer, rank)
     x = xs[rank].clone().requires_grad_()
     out = layer(x)
     (out * gs[rank]).sum().backward()

@@ -55,11 +55,9 @@ def assert_close_to_ref(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Ten
             f"{rounding_step(got.dtype, ref64):.3g})")
 
 
-def assert_all_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
-                            names: Sequence[str] | None = None) -> None:
-    """:func:`assert_close_to_ref` for each triple of three sequences (outputs and gradients,
-    say), each tensor against its own bound. An entry that is ``None`` (a gradient not
-    wanted) must be ``None`` in all three."""
+def _triples(got: Sequence, plain: Sequence, ref64: Sequence, names: Sequence[str] | None):
+    """``(got, plain, ref64, name)`` of the entries present in all three (an entry that is
+    ``None`` must be ``None`` in all three); the sequences must have one length."""
     got, plain, ref64 = list(got), list(plain), list(ref64)
     names = [str(i) for i in range(len(got))] if names is None else list(names)
     if not len(got) == len(plain) == len(ref64) == len(names):
@@ -71,6 +69,15 @@ def assert_all_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
                 raise AssertionError(f"{n}: None in some but not all of got {g is None}, "
                                      f"plain {p is None}, ref64 {r is None}")
             continue
+        yield g, p, r, n
+
+
+def assert_all_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
+                            names: Sequence[str] | None = None) -> None:
+    """:func:`assert_close_to_ref` for each triple of three sequences (outputs and gradients,
+    say), each tensor against its own bound. An entry that is ``None`` (a gradient not
+    wanted) must be ``None`` in all three."""
+    for g, p, r, n in _triples(got, plain, ref64, names):
         assert_close_to_ref(g, p, r, n)
 
 
@@ -84,18 +91,8 @@ def assert_jointly_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
     holds too few elements for two maxima of rounding errors to be compared on every
     machine; an entry that is wrong is still off by far more than the rounding of the rest.
     ``None`` entries must be ``None`` in all three."""
-    got, plain, ref64 = list(got), list(plain), list(ref64)
-    names = [str(i) for i in range(len(got))] if names is None else list(names)
-    if not len(got) == len(plain) == len(ref64) == len(names):
-        raise AssertionError(f"lengths differ: got {len(got)}, plain {len(plain)}, ref64 "
-                             f"{len(ref64)}, names {len(names)}")
     worst, plain_worst, step = (0.0, ""), 0.0, 0.0
-    for g, p, r, n in zip(got, plain, ref64, names):
-        if g is None or p is None or r is None:
-            if not (g is None and p is None and r is None):
-                raise AssertionError(f"{n}: None in some but not all of got {g is None}, "
-                                     f"plain {p is None}, ref64 {r is None}")
-            continue
+    for g, p, r, n in _triples(got, plain, ref64, names):
         if not (g.shape == p.shape == r.shape):
             raise AssertionError(f"{n}: shapes differ: got {tuple(g.shape)}, plain "
                                  f"{tuple(p.shape)}, ref64 {tuple(r.shape)}")

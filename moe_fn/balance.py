@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._checks import debug_checks
+from .layer_checks import check_score_correction_bias
 from .pure.activations import compute_dtype
 from .pure.balance import (
     balance_probs,
@@ -263,7 +264,6 @@ def update_expert_bias(model, rate: float, *, group=None) -> dict[str, ExpertLoa
         for name, bias in biased:
             bias.copy_(bias_update(bias, loads[name].last.to(bias.device), rate))
             if debug_checks():
-                from .layer import check_score_correction_bias
                 check_score_correction_bias(bias, f"{name}.router.e_score_correction_bias")
     return loads
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import warnings
-import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import functional, kernels
+from . import layer_checks as checks
 from ._checks import FLOAT_DTYPES, debug_checks
 from .autograd.balance import BalanceGrad
 from .autograd.experts import Experts
@@ -26,23 +26,6 @@ from .records import RoutePlan
 from .replay import KeptActivations, current_region
 from .resources import RESOURCES
 from .skip_check import SkipContractError
-
-
-def takes_comm_sms(config: MoEConfig) -> bool:
-    """Whether anything the config runs takes ``comm_num_sm`` SMs: DeepEP's kernels, the
-    symm_mem exchange's pulls, the overlap's carveout (the other exchanges leave the
-    SMs to NCCL and never read it)."""
-    return config.ep_size > 1 and (
-        config.comm_backend == "deepep" or config.overlap_weight_grad
-        or config.comm_backend == "symm_mem")
-
-
-def check_comm_num_sm(num_sms: int, sm_count: int) -> None:
-    """The SMs the exchange takes (DeepEP's kernels, the symm_mem pulls, the overlap's
-    carveout) must leave some to the experts' GEMMs."""
-    if num_sms >= sm_count:
-        raise ValueError(f"comm_num_sm={num_sms} leaves none of this GPU's {sm_count} SMs to "
-                         f"the experts' GEMMs: use fewer (12-24 is typical)")
 
 
 def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) -> Exchange:
@@ -97,7 +80,7 @@ class MoERouter(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(config.num_experts, device=device,
                                              dtype=torch.float32))
-            self.register_load_state_dict_pre_hook(_refuse_nonfinite_bias_hook(
+            self.register_load_state_dict_pre_hook(checks.RefuseNonfiniteBias(
                 "e_score_correction_bias"))
         else:
             self.e_score_correction_bias = None
@@ -162,20 +145,20 @@ class MoELayer(nn.Module):
         self.process_group = process_group
         # The load-balancing losses' state and, with aux_loss_scope="group", the group
         # whose whole batch their counts cover.
-        self.balance = LayerBalance(config, _balance_group(config, balance_group))
+        self.balance = LayerBalance(config, checks.balance_group(config, balance_group))
         self.exchange = make_exchange(config, process_group)
         self.router = MoERouter(config, device=device, dtype=dtype)
         self.experts = MoEExperts(config, device=device, dtype=dtype)
         self.reset_parameters()
         # What the parameters and biases must be (the config is frozen: computed once).
-        self._param_shapes = self._expected_param_shapes(config)
-        self._bias_spec = self._expected_biases(config)
+        self._param_shapes = checks.expected_param_shapes(config)
+        self._bias_spec = checks.expected_biases(config)
         # The experts' static arguments, resolved once: the layer calls their shell directly
         # (functional.experts would validate on every call what the config and the layer's
         # own checks already have).
         self._experts_static = (*config.act_static, resolve_layout(config.gate_up_layout),
                                 config.gate_up_impl == "fused")
-        # The agreement stamp per (dtype, device) (_agreement_stamp), and the (dtype,
+        # The agreement stamp per (dtype, device) (checks.agreement), and the (dtype,
         # device) whose comm_num_sm was last checked.
         self._stamps = {}
         self._sms_checked_on = None
@@ -230,7 +213,7 @@ class MoELayer(nn.Module):
         c = self.config
         weight, bias = self.router_params(x2)
         if debug_checks() and self.router.e_score_correction_bias is not None:
-            check_score_correction_bias(self.router.e_score_correction_bias,
+            checks.check_score_correction_bias(self.router.e_score_correction_bias,
                                         "router.e_score_correction_bias")
         return Router.apply(x2, weight, bias, self.router.e_score_correction_bias, c.top_k,
                             c.score_func, c.norm_topk_prob, c.n_group, c.topk_group,
@@ -261,7 +244,7 @@ class MoELayer(nn.Module):
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
         gate_up, down, gate_up_bias, down_bias = weights or self.expert_weights()
-        # functional.experts' contract; its checks are the config's and _check_parameters'.
+        # functional.experts' contract; its checks are the config's and check_parameters'.
         y = Experts.apply(rows, gate_up, down, offs,
                           row_w if c.score_apply == "activation" else None, gate_up_bias,
                           down_bias, *self._experts_static, slot)
@@ -273,168 +256,6 @@ class MoELayer(nn.Module):
         """The dtype the router's linear gets its input in: ``x``'s here (subclasses, such as
         the Hugging Face conversion's, may cast it, e.g. to a float32 router)."""
         return x_dtype
-
-    _PARAMS = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
-
-    @staticmethod
-    def _expected_param_shapes(c: MoEConfig) -> tuple:
-        """The shapes of ``_PARAMS`` a config needs."""
-        return ((c.num_experts, c.hidden_size),
-                (c.num_local_experts, 2 * c.intermediate_size, c.hidden_size),
-                (c.num_local_experts, c.hidden_size, c.intermediate_size))
-
-    @staticmethod
-    def _expected_biases(c: MoEConfig) -> tuple:
-        """``(name, config option, shape or None when the config has none)`` per bias."""
-        e_loc, h, i = c.num_local_experts, c.hidden_size, c.intermediate_size
-        return tuple((name, option, shape if on else None) for name, option, on, shape in (
-            ("router.bias", "router_bias", c.router_bias, (c.num_experts,)),
-            ("router.e_score_correction_bias", "score_correction_bias",
-             c.score_correction_bias, (c.num_experts,)),
-            ("experts.gate_up_proj_bias", "expert_bias", c.expert_bias, (e_loc, 2 * i)),
-            ("experts.down_proj_bias", "expert_bias", c.expert_bias, (e_loc, h))))
-
-    def _check_parameters(self, x, amp=None) -> None:
-        """The parameters against the config and ``x`` (a module's parameters can be
-        replaced or moved piecemeal): shapes, one dtype, one device. Under autocast
-        (``amp``, its dtype) each may also be float32, which the forward casts. The common
-        case is a few comparisons (host time on every call); ``_explain_parameters`` says
-        what differs."""
-        w, gu, dn = self.router.weight, self.experts.gate_up_proj, self.experts.down_proj
-        b = self.router.bias
-        dt, dev = amp or x.dtype, x.device
-        if amp is not None:  # the casts in route() and expert_weights() make them agree
-            w_dt = self.router_input_dtype(amp)
-            ok = all(t is None or t.dtype in (torch.float32, want)
-                     for t, want in ((gu, dt), (dn, dt), (w, w_dt), (b, w_dt)))
-        else:
-            ok = (gu.dtype == dt and dn.dtype == dt and w.dtype == self.router_input_dtype(dt)
-                  and (b is None or b.dtype == w.dtype))
-        if (ok and gu.device == dev and dn.device == dev and w.device == dev
-                and (w.shape, gu.shape, dn.shape) == self._param_shapes
-                and (b is None or b.device == dev)):
-            self._check_biases(b, dt, dev, amp)
-            return
-        self._explain_parameters(x, (w, gu, dn), b, amp)
-
-    def _check_biases(self, router_bias, dtype, device, amp=None) -> None:
-        """The biases the config asks for are there, with their shapes, and no others: a
-        missing one would silently drop a term, an extra one silently add (or be ignored).
-        (A view of other modules' experts may not define absent biases at all.) The
-        experts' biases have x's dtype and every bias x's device (the router bias's dtype
-        is checked with the router weight's)."""
-        ex = self.experts
-        found = (router_bias, self.router.e_score_correction_bias,
-                 getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
-        expected = self._bias_spec
-        if all(t is None if shape is None else
-               (t is not None and t.shape == shape and t.device == device
-                and (i < 2 or t.dtype == dtype or (amp and t.dtype == torch.float32)))
-               for i, (t, (_, _, shape)) in enumerate(zip(found, expected))):
-            return
-        for i, (t, (name, option, shape)) in enumerate(zip(found, expected)):
-            wanted = shape is not None
-            if (t is not None) != wanted:
-                raise ValueError(
-                    f"{name} is {'missing' if wanted else 'set'} but the config has "
-                    f"{option}={wanted}: build the layer from a config with {option}="
-                    f"{not wanted}, or {'restore' if wanted else 'remove'} {name}")
-            if t is None:
-                continue
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must be {shape} for this config, got "
-                                 f"{tuple(t.shape)}")
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device} but x is on {device}: move the "
-                                 "layer to x's device (layer.to(x.device))")
-            if i >= 2 and t.dtype != dtype and not (amp and t.dtype == torch.float32):
-                raise TypeError(f"{name} is {t.dtype} but x is {dtype}: the experts' biases "
-                                "take x's dtype (layer.to(x.dtype))")
-
-    def _explain_parameters(self, x, params, bias, amp=None) -> None:
-        for name, p, shape in zip(self._PARAMS, params, self._param_shapes):
-            if tuple(p.shape) != shape:
-                raise ValueError(f"{name} must be {shape} for this config, got "
-                                 f"{tuple(p.shape)}")
-        dt = amp or x.dtype
-        router_in = self.router_input_dtype(dt)
-        for name, p, dtype in zip((*self._PARAMS, "router.bias"), (*params, bias),
-                                  (router_in, dt, dt, router_in)):
-            if p is None:
-                continue
-            if amp is not None and p.dtype not in (dtype, torch.float32):
-                raise TypeError(f"under torch.autocast({amp}) {name} is {p.dtype}: the "
-                                f"layer's parameters must be float32 or {dtype}")
-            if amp is None and p.dtype != dtype and _autocast_on(x):
-                kind = x.device.type
-                raise TypeError(
-                    f"under torch.autocast({torch.get_autocast_dtype(kind)}) x is {x.dtype} "
-                    f"but {name} is {p.dtype}: pass x in float32 or "
-                    f"{torch.get_autocast_dtype(kind)} (autocast leaves {x.dtype} alone)")
-            if amp is None and p.dtype != dtype:
-                raise TypeError(
-                    f"x has dtype {x.dtype} but {name} is {p.dtype}: keep the layer in one "
-                    "dtype (layer.to(dtype)) and cast x to it; for mixed precision (float32 "
-                    "parameters, lower-precision compute, e.g. FSDP2's param_dtype with the "
-                    "experts ignored) run the forward under torch.autocast")
-            if p.is_meta:
-                raise ValueError(f"{name} is on the meta device (no data): {_MATERIALIZE}")
-            if p.device != x.device:
-                raise ValueError(f"x is on {x.device} but {name} is on {p.device}: move x "
-                                 "or the layer (layer.to(device))")
-
-    def _agreement_stamp(self, x) -> torch.Tensor:
-        """What every rank of the expert-parallel group must share to exchange rows with
-        the others: this layer's config, ``x``'s dtype and device type, hashed into a small
-        int64 tensor on ``x``'s device (made once per dtype and device: no copy per call)."""
-        key = (x.dtype, x.device)
-        stamp = self._stamps.get(key)
-        if stamp is None:
-            words = (repr(self.config), str(x.dtype), x.device.type)
-            # 31-bit words: they travel with int32 or int64 counts alike.
-            stamp = torch.tensor([zlib.crc32(w.encode()) & 0x7FFFFFFF for w in words],
-                                 dtype=torch.int64, device=x.device)
-            self._stamps[key] = stamp
-        return stamp
-
-    def _agree(self, x_dtype):
-        """The check the exchange runs on every rank's stamps (the same list everywhere,
-        so every rank raises together): every rank builds its layer from the same config
-        and calls it in one dtype, else the exchange's collectives would mismatch sizes
-        (a process abort in the backend, or a hang) or reinterpret rows bit for bit."""
-        def check(rows):
-            for rank, row in enumerate(rows):
-                what = [w for w, a, b in zip(("config", "dtype", "device type"), row, rows[0])
-                        if a != b]
-                if what:
-                    raise ValueError(
-                        f"rank {rank} of the expert-parallel group runs this MoELayer with "
-                        f"another {' and '.join(what)} than rank 0 (this rank: {x_dtype}): "
-                        "every rank must build its layer from the same MoEConfig and call it "
-                        "in one dtype")
-        return check
-
-    def _agreement(self, x) -> dict:
-        """The layout's agreement arguments: none on one rank."""
-        if self.exchange.ep_size == 1:
-            return {}
-        return dict(stamp=self._agreement_stamp(x), agree=self._agree(x.dtype))
-
-    def _check_capturable(self, region) -> None:
-        # A captured graph replays kernels only: the host-side work these paths do per
-        # call (split sizes read back, replay entries recorded and consumed) would run
-        # once, at capture, and every replay would reuse it.
-        if self.exchange.backend != "local":
-            raise RuntimeError(
-                f"CUDA graph capture of a MoELayer needs comm_backend='local'; "
-                f"{self.exchange.backend!r} reads split sizes on the host every call. "
-                "Capture the dense parts only, or run this layer eagerly.")
-        if region is not None:
-            raise RuntimeError(
-                "CUDA graph capture inside moe_fn.checkpoint or an HF checkpointed block "
-                "is not supported: routing replay records and consumes entries on the "
-                "host. Capture the layer outside the checkpoint, or run it eagerly.")
-
     def _weight_placement(self, skip: bool = False) -> tuple[bool, bool]:
         """``(home_w, fold_w)``: whether post-expert routing weights enter the combine's sum
         at home, or the expert side's per-token sum, instead of a weighting pass."""
@@ -499,7 +320,7 @@ class MoELayer(nn.Module):
         sent_w = None if home_w else w
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
-            layout = self.exchange.layout(plan, **self._agreement(x2))
+            layout = self.exchange.layout(plan, **checks.agreement(self, x2))
             rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, layout, False,
                                                  *overlap)
             if trains:
@@ -622,10 +443,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be (..., hidden_size={c.hidden_size}), got shape "
                              f"{tuple(x.shape)}")
         if x.is_meta:
-            raise ValueError(_META_DEVICE)
-        seq_len = _sequence_length(x, seq_len, c)
-        amp = _autocast_dtype(x)
-        self._check_parameters(x, amp)
+            raise ValueError(checks.META_DEVICE)
+        seq_len = checks.sequence_length(x, seq_len, c)
+        amp = checks.autocast_dtype(x)
+        checks.check_parameters(self, x, amp)
         if amp is not None:
             # Under torch.autocast the layer runs as one in autocast's dtype: x and the
             # parameters cast to it (differentiably: float32 gradients reach float32
@@ -641,16 +462,16 @@ class MoELayer(nn.Module):
     def _forward(self, x: torch.Tensor, return_router_logits: bool, seq_len=None):
         c = self.config
         if x.dtype == torch.float16:
-            _check_float16_scale(c.routed_scaling_factor)
+            checks.check_float16_scale(c.routed_scaling_factor)
         shape = x.shape
         x2 = x.reshape(-1, c.hidden_size)
         region = current_region()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._check_capturable(region)
+            checks.check_capturable(self.exchange, region)
         if (self.exchange.ep_size > 1
                 and self._sms_checked_on != (x.dtype, x.device)):
-            if x.is_cuda and takes_comm_sms(c):
-                check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
+            if x.is_cuda and checks.takes_comm_sms(c):
+                checks.check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
             self._sms_checked_on = (x.dtype, x.device)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region, seq_len)
@@ -664,112 +485,5 @@ def _keep(t):
     return t
 
 
-def _balance_group(config: MoEConfig, group):
-    """The group ``aux_loss_scope="group"`` counts over (default the world group), checked
-    against the config: a group the config would not use is refused, not ignored."""
-    if config.aux_loss_scope != "group":
-        if group is not None:
-            raise ValueError(f"balance_group is the group aux_loss_scope='group' counts the "
-                             f"Switch loss's experts over; this config's aux_loss_scope is "
-                             f"{config.aux_loss_scope!r}: pass no balance_group, or set "
-                             "aux_loss_scope='group' (with aux_loss_coef > 0)")
-        return None
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"balance_group must be a torch.distributed ProcessGroup or None, "
-                        f"got {type(group).__name__}")
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("aux_loss_scope='group' all-reduces the expert counts over a "
-                             "process group: initialise torch.distributed (the world group "
-                             "is the default) or pass balance_group=..., or use "
-                             "aux_loss_scope='micro_batch'")
-        group = dist.group.WORLD
-    return group
-
-
-def _sequence_length(x: torch.Tensor, seq_len, config: MoEConfig) -> int | None:
-    """The sequence length the sequence-level loss reads ``x``'s tokens by (None without
-    that loss); a ``seq_len`` that would be ignored or does not fit ``x`` is refused."""
-    if seq_len is not None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        if not config.seq_aux_loss_coef:
-            raise ValueError("seq_len says where the sequences of a (T, H) input end, for the "
-                             "sequence-level balancing loss; this config has "
-                             "seq_aux_loss_coef=0: pass no seq_len, or set seq_aux_loss_coef")
-    if not config.seq_aux_loss_coef:
-        return None
-    if x.dim() >= 3:
-        if seq_len is not None and seq_len != x.shape[-2]:
-            raise ValueError(f"seq_len={seq_len} but x of shape {tuple(x.shape)} holds "
-                             f"sequences of {x.shape[-2]} tokens (its dimension -2): pass "
-                             "no seq_len for such an input")
-        return x.shape[-2]
-    tokens = x.shape[0] if x.dim() == 2 else 1
-    if seq_len is None:
-        return max(tokens, 1)
-    if tokens % seq_len:
-        raise ValueError(f"seq_len={seq_len} does not divide the {tokens} tokens of x "
-                         f"(shape {tuple(x.shape)}): a (T, H) input holds T / seq_len "
-                         "whole sequences")
-    return seq_len
-
-
 def _cast(t, dtype):
     return t if t is None or dtype is None else t.to(dtype)
-
-
-def _autocast_on(x: torch.Tensor) -> bool:
-    kind = x.device.type
-    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
-
-
-def _autocast_dtype(x: torch.Tensor):
-    """The dtype ``torch.autocast`` lowers float32 matmuls to on ``x``'s device, where it is
-    on and ``x`` is float32 or already in that dtype (the output of a lowered op); else
-    None (autocast leaves other dtypes alone)."""
-    kind = x.device.type
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
-    if not _autocast_on(x):
-        return None
-    amp = torch.get_autocast_dtype(kind)
-    return amp if amp != torch.float32 and x.dtype in (torch.float32, amp) else None
-
-
-_MATERIALIZE = ("materialize the layer first (layer.to_empty(device=...), then "
-                "layer.reset_parameters() or load a state dict)")
-_META_DEVICE = ("x is on the meta device: a MoELayer routes each token by its values (its "
-                "dispatch layout reads per-expert counts on the host), which meta tensors do "
-                f"not have. Pass a real x and {_MATERIALIZE}")
-
-
-def check_score_correction_bias(bias: torch.Tensor, name: str) -> None:
-    """A non-finite score-correction bias would silently send every token to that expert
-    (NaN wins every comparison of the choice): refuse it (a host sync)."""
-    bad = ~torch.isfinite(bias.detach())
-    if bool(bad.any()):
-        experts = bad.reshape(-1).nonzero().reshape(-1)[:8].tolist()
-        raise ValueError(f"{name} has non-finite values (experts {experts}): every token would "
-                         "be routed to such an expert. Load a finite bias (or zero it)")
-
-
-def _refuse_nonfinite_bias_hook(key: str):
-    """A load_state_dict pre-hook refusing a non-finite score-correction bias at ``key``
-    (below the module's prefix) before it is copied in."""
-    def hook(module, state_dict, prefix, *args):
-        value = state_dict.get(prefix + key)
-        if isinstance(value, torch.Tensor) and not value.is_meta:
-            check_score_correction_bias(value, f"state_dict[{prefix + key!r}]")
-    return hook
-
-
-def _check_float16_scale(factor: float) -> None:
-    """A float16 layer applies its routing weights in float16: a routed_scaling_factor past
-    float16's range overflows them to inf or flushes them to zero."""
-    f16 = torch.finfo(torch.float16)
-    if not f16.tiny <= factor <= f16.max:
-        raise ValueError(f"routed_scaling_factor={factor!r} lies outside float16's range "
-                         f"[{f16.tiny:.3g}, {f16.max:.3g}], in which this float16 layer "
-                         "applies its routing weights: use a factor in that range, or run "
-                         "the layer in bfloat16 or float32")

@@ -146,7 +146,7 @@ def test_process_group_must_be_a_group():
 
 def test_comm_num_sm_must_leave_sms_for_the_gemms():
     """Checked against the GPU's SM count at the first expert-parallel call on CUDA."""
-    from moe_fn.layer import check_comm_num_sm
+    from moe_fn.layer_checks import check_comm_num_sm
     check_comm_num_sm(24, 132)
     with pytest.raises(ValueError, match="comm_num_sm=132 leaves none of this GPU's 132 SMs"):
         check_comm_num_sm(132, 132)
@@ -156,7 +156,7 @@ def test_only_what_takes_sms_reads_comm_num_sm():
     """The first CUDA forward checks that comm_num_sm leaves SMs to the GEMMs only where
     something takes them: a GPU with few SMs (a MIG slice) runs the NCCL exchanges,
     which never read it."""
-    from moe_fn.layer import takes_comm_sms
+    from moe_fn.layer_checks import takes_comm_sms
 
     ep = dict(BASE, comm_backend="all_to_all", ep_size=2)
     assert not takes_comm_sms(MoEConfig(**BASE))

@@ -251,13 +251,15 @@ def test_a_combine_told_no_backward_refuses_one():
 
 
 def test_cuda_graph_capture_is_refused_where_host_work_would_be_frozen():
+    from moe_fn.layer_checks import check_capturable
+
     layer = MoELayer(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
-    layer._check_capturable(None)  # local, no checkpoint: capturable
+    check_capturable(layer.exchange, None)  # local, no checkpoint: capturable
     with pytest.raises(RuntimeError, match="inside moe_fn.checkpoint"):
-        layer._check_capturable(object())
+        check_capturable(layer.exchange, object())
     layer.exchange.backend = "all_to_all"
     with pytest.raises(RuntimeError, match="needs comm_backend='local'"):
-        layer._check_capturable(None)
+        check_capturable(layer.exchange, None)
 
 
 def _count_collectives_body(rank, world):

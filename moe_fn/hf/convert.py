@@ -41,7 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import REMOVED_OPTIONS, MoEConfig, _positive_int
-from ..layer import MoELayer, _balance_group, _refuse_nonfinite_bias_hook
+from ..layer import MoELayer
+from ..layer_checks import RefuseNonfiniteBias
+from ..layer_checks import balance_group as checked_balance_group
 from ..pure.router import sorted_topk
 from ..replay import current_region, wrap_checkpoint
 from .aux_loss import AuxLossHooks, AuxLossTerm, computes_hf_aux_loss
@@ -557,7 +559,7 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
     block.__dict__["_moe_fn_aux_loss_coef"] = aux_loss_coef
     block.__dict__["_moe_fn_aux"] = aux_hooks
     if preset.bias_attr is not None:
-        block.register_load_state_dict_pre_hook(_refuse_nonfinite_bias_hook(preset.bias_attr))
+        block.register_load_state_dict_pre_hook(RefuseNonfiniteBias(preset.bias_attr))
     router.__class__ = _subclass(_RecordingRouter, type(router))
     block.__class__ = _subclass(ConvertedBlock, type(block))
 
@@ -615,7 +617,7 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     has_loss = hasattr(p.modeling(), "load_balancing_loss_func")
     aux_coef = (getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
                 if has_loss and getattr(text_config, "output_router_logits", False) else 0.0)
-    _balance_group(configs[0], balance_group)  # refused before anything is converted
+    checked_balance_group(configs[0], balance_group)  # refused before anything is converted
     # Hooks that train transformers' loss under reentrant checkpointing: only where the
     # model's forward computes it and no MoE block is left out (its router's logits would
     # enter the counts, but its gradient could not be added).

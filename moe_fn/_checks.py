@@ -98,3 +98,25 @@ def check_offs(offs, num_rows: int, num_groups: int, device: torch.device) -> No
                 f"offs must end exactly at the row count {num_rows}, got {int(offs[-1])}: "
                 "rows past the last offset would be left unwritten"
             )
+
+
+def check_fp8_call(x: torch.Tensor) -> None:
+    """Where ``expert_precision='fp8_rowwise'`` can run, said at the first call per dtype and
+    device: on CUDA a bfloat16 layer (the FP8 GEMMs write only bfloat16) on a GPU with
+    ``torch._scaled_grouped_mm``'s FP8 tensor cores; on the CPU an emulation for tests."""
+    fix = "or set expert_precision='native'"
+    if x.is_cuda:
+        cap = torch.cuda.get_device_capability(x.device)
+        if cap < (9, 0):
+            name = torch.cuda.get_device_name(x.device)
+            raise ValueError(f"expert_precision='fp8_rowwise' needs FP8 tensor cores that "
+                             f"torch._scaled_grouped_mm runs on (compute capability 9.0 or "
+                             f"later: H100, H200, B200); {name} has {cap[0]}.{cap[1]}: " + fix)
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"expert_precision='fp8_rowwise' on CUDA needs a bfloat16 layer "
+                            f"(torch._scaled_grouped_mm writes bfloat16 only), got {x.dtype}: "
+                            "layer.to(torch.bfloat16), or run under torch.autocast(dtype="
+                            "torch.bfloat16), " + fix)
+    elif x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"expert_precision='fp8_rowwise' computes in bfloat16 (or float32 on "
+                        f"the CPU, an emulation), got {x.dtype}: cast the layer, " + fix)

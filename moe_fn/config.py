@@ -18,6 +18,7 @@ SCORE_APPLY = ("post", "pre", "activation")
 IMPLS = ("fused", "reference")
 BALANCE_SCOPES = ("micro_batch", "group")
 GATE_UP_IMPLS = ("fused", "separate")
+EXPERT_PRECISIONS = ("native", "fp8_rowwise")
 COMM_BACKENDS = ("local", "all_to_all", "symm_mem", "deepep")
 DEEPEP_INTRANODE_SIZES = (2, 4, 8)
 # DeepEP's intranode bf16 dispatch traps above this hidden size on SM90 (DeepEP issue #722).
@@ -188,6 +189,18 @@ class MoEConfig:
         doc="Biases inside each expert (GPT-OSS): gate_up_proj_bias (E, 2I) after gate+up\n"
             "and down_proj_bias (E, H) after down. Needs score_apply='post' (the weight\n"
             "scales the whole expert output, down bias included).")
+    expert_precision: str = option(
+        "native", group="experts",
+        doc="How the expert GEMMs compute. 'native': in the layer's dtype. 'fp8_rowwise':\n"
+            "gate+up and down, forward, and their input gradients in float8 e4m3 with\n"
+            "per-row power-of-two scales from the current values (rows per row, weights per\n"
+            "output channel, quantised once per change of the weights), the quantisation\n"
+            "fused into the dispatch's gather and the activation's passes; weight gradients\n"
+            "in the layer's dtype (docs/precision_compile_graphs.md). Needs\n"
+            "gate_up_impl='fused', score_apply 'post' or 'activation', hidden_size and\n"
+            "intermediate_size multiples of 16, torch._scaled_grouped_mm; on CUDA a bfloat16\n"
+            "layer on a GPU of compute capability 9.0 or later; on the CPU (bfloat16 or\n"
+            "float32) the same numerics, emulated.")
     # ---- exchange --------------------------------------------------------------------------
     comm_backend: str = option(
         "local", group="exchange",
@@ -273,6 +286,7 @@ class MoEConfig:
         _one_of("gate_up_impl", self.gate_up_impl, GATE_UP_IMPLS)
         _one_of("score_apply", self.score_apply, SCORE_APPLY)
         _one_of("impl", self.impl, IMPLS)
+        _one_of("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
         _one_of("comm_backend", self.comm_backend, COMM_BACKENDS)
         for name in ("score_correction_bias", "router_bias", "expert_bias",
                      "overlap_weight_grad", "skip_recompute_combine", "recompute_in_checkpoint"):
@@ -280,6 +294,7 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_exchange()
         self._check_weighting()
+        self._check_precision()
         self._check_overlap()
         self._check_balance()
         if self.skip_recompute_combine and not self.recompute_in_checkpoint:
@@ -329,6 +344,26 @@ class MoEConfig:
                 "weight multiplies the whole expert output, down_proj_bias included (GPT-OSS); "
                 "'activation' would leave the down bias unweighted and 'pre' would weight the "
                 "input instead of the output")
+
+    def _check_precision(self):
+        if self.expert_precision != "fp8_rowwise":
+            return
+        fix = "or set expert_precision='native'"
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            raise ValueError("expert_precision='fp8_rowwise' needs torch._scaled_grouped_mm "
+                             f"(torch 2.8 or later with CUDA): upgrade torch, {fix}")
+        if self.gate_up_impl != "fused":
+            raise ValueError("expert_precision='fp8_rowwise' computes gate+up as one FP8 GEMM "
+                             "over the packed weight: set gate_up_impl='fused', " + fix)
+        if self.score_apply == "pre":
+            raise ValueError("expert_precision='fp8_rowwise' quantises the rows as the dispatch "
+                             "moves them, before score_apply='pre' could weight them: use "
+                             "score_apply 'post' or 'activation', " + fix)
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(self, name) % 16:
+                raise ValueError(f"expert_precision='fp8_rowwise' needs {name} to be a multiple "
+                                 f"of 16 (the FP8 GEMMs' rows are 16-byte aligned), got "
+                                 f"{getattr(self, name)}: pad it, " + fix)
 
     def _check_overlap(self):
         if not self.overlap_weight_grad:

@@ -37,10 +37,21 @@ even columns and up in the odd ones (GPT-OSS).
 
 from __future__ import annotations
 
-from ._checks import FLOAT_DTYPES, check_offs, check_same, check_tensor
-from .autograd.experts import Experts, GroupedLinear, RowWeight, Swiglu, SwigluPacked
+import torch
+
+from ._checks import FLOAT_DTYPES, check_fp8_call, check_offs, check_same, check_tensor
+from .autograd.experts import (
+    FP8_IMPL,
+    Experts,
+    ExpertsFp8,
+    GroupedLinear,
+    RowWeight,
+    Swiglu,
+    SwigluPacked,
+)
+from .autograd.fp8_cache import Fp8WeightCache
 from .autograd.slot import WeightGradSlot
-from .config import GATE_UP_IMPLS
+from .config import EXPERT_PRECISIONS, GATE_UP_IMPLS
 from .pure.activations import (
     _check_weights,
     check_swiglu_args,
@@ -199,7 +210,7 @@ def _check_experts_args(x, gate_up_proj, down_proj, weights, gate_up_bias=None,
 
 def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_impl="fused",
             layout="halves", alpha=None, limit=None, weights=None, gate_up_bias=None,
-            down_bias=None, weight_grad_slot=None):
+            down_bias=None, weight_grad_slot=None, precision="native", fp8_weights=None):
     """The expert MLP on rows grouped by expert:
     ``y = down(act(gate_up(x) [+ gate_up_bias]) [* weights]) [+ down_bias]``, each row
     through its own expert's weights.
@@ -227,6 +238,15 @@ def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_im
             backward defers the weight-gradient GEMMs (and the biases' gradients) instead
             of running them, or None. MoELayer's ``overlap_weight_grad`` uses it; whoever
             passes one must drain it in a later backward.
+        precision: ``"native"`` (default: the GEMMs in ``x``'s dtype) or
+            ``"fp8_rowwise"``: the gate+up and down GEMMs and their input gradients in
+            float8 e4m3 with per-row power-of-two scales, weight gradients in ``x``'s dtype
+            (``MoEConfig.expert_precision``; needs ``gate_up_impl="fused"``, H and I
+            multiples of 16, on CUDA bfloat16 on compute capability 9.0+, on the CPU
+            bfloat16 or float32, emulated).
+        fp8_weights: with ``"fp8_rowwise"``, a ``moe_fn.autograd.fp8_cache.Fp8WeightCache``
+            that keeps the quantised weights until they change (a MoELayer owns one);
+            None quantises them on every call.
 
     The weights may be views of other storage: GPT-OSS's ``(E, H, 2I)`` / ``(E, I, H)``
     parameters passed as ``.transpose(1, 2)`` are used as they are (no copy), and their
@@ -253,6 +273,38 @@ def experts(x, gate_up_proj, down_proj, offs, *, activation="swiglu", gate_up_im
     if weight_grad_slot is not None and not isinstance(weight_grad_slot, WeightGradSlot):
         raise TypeError(f"weight_grad_slot must be a moe_fn.autograd.slot.WeightGradSlot or "
                         f"None, got {type(weight_grad_slot).__name__}")
+    if precision not in EXPERT_PRECISIONS:
+        raise ValueError(f"precision must be one of {EXPERT_PRECISIONS}, got {precision!r}")
+    if precision == "fp8_rowwise":
+        return _experts_fp8(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
+                            act_id, alpha, limit, layout_id, gate_up_impl, weight_grad_slot,
+                            fp8_weights)
+    if fp8_weights is not None:
+        raise ValueError("fp8_weights holds quantised weights for precision='fp8_rowwise'; "
+                         "this call computes natively: pass precision='fp8_rowwise', or no "
+                         "fp8_weights")
     return Experts.apply(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias,
                          act_id, alpha, limit, layout_id, gate_up_impl == "fused",
                          weight_grad_slot)
+
+
+def _experts_fp8(x, gate_up_proj, down_proj, offs, weights, gate_up_bias, down_bias, act_id,
+                 alpha, limit, layout_id, gate_up_impl, slot, cache):
+    fix = "or precision='native'"
+    if gate_up_impl != "fused":
+        raise ValueError("precision='fp8_rowwise' computes gate+up as one FP8 GEMM over the "
+                         "packed weight: pass gate_up_impl='fused', " + fix)
+    h, two_i = x.shape[1], gate_up_proj.shape[1]
+    if h % 16 or (two_i // 2) % 16:
+        raise ValueError(f"precision='fp8_rowwise' needs H and I multiples of 16 (the FP8 "
+                         f"GEMMs' rows are 16-byte aligned), got H={h}, I={two_i // 2}: " + fix)
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise ValueError("precision='fp8_rowwise' needs torch._scaled_grouped_mm: upgrade "
+                         "torch, " + fix)
+    check_fp8_call(x)
+    if cache is not None and not isinstance(cache, Fp8WeightCache):
+        raise TypeError(f"fp8_weights must be a moe_fn.autograd.fp8_cache.Fp8WeightCache or "
+                        f"None, got {type(cache).__name__}")
+    quantized = (cache or Fp8WeightCache()).get(gate_up_proj, down_proj, FP8_IMPL)
+    return ExpertsFp8.apply(x, None, gate_up_proj, down_proj, offs, weights, gate_up_bias,
+                            down_bias, quantized, act_id, alpha, limit, layout_id, slot)

@@ -10,9 +10,10 @@ from torch import nn
 
 from . import functional, kernels
 from . import layer_checks as checks
-from ._checks import FLOAT_DTYPES, debug_checks
+from ._checks import FLOAT_DTYPES, check_fp8_call, debug_checks
 from .autograd.balance import BalanceGrad
-from .autograd.experts import Experts
+from .autograd.experts import FP8_IMPL, Experts, ExpertsFp8
+from .autograd.fp8_cache import Fp8WeightCache
 from .autograd.kept import ReplayKept
 from .autograd.routing import Combine, Dispatch, Router, SkippedCombine
 from .autograd.slot import WeightGradSlot
@@ -158,10 +159,12 @@ class MoELayer(nn.Module):
         # own checks already have).
         self._experts_static = (*config.act_static, resolve_layout(config.gate_up_layout),
                                 config.gate_up_impl == "fused")
+        # The expert weights as the FP8 GEMMs read them, quantised once per change.
+        self.fp8_weights = Fp8WeightCache()
         # The agreement stamp per (dtype, device) (checks.agreement), and the (dtype,
-        # device) whose comm_num_sm was last checked.
+        # device) whose comm_num_sm (and FP8 support) was last checked.
         self._stamps = {}
-        self._sms_checked_on = None
+        self._sms_checked_on = self._fp8_checked_on = None
         # Said once per layer: a non-reentrant recompute replays but cannot skip.
         self.skip_mode_warned = False
 
@@ -229,21 +232,36 @@ class MoELayer(nn.Module):
         """``(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias)`` as the experts
         compute with them (biases None without ``config.expert_bias``): the parameters, or
         under ``torch.autocast`` their casts to its dtype (once per forward, so that every
-        use shares one copy and its gradient)."""
+        use shares one copy and its gradient). The FP8 experts quantise the parameters
+        themselves (a float32 master weight directly, never a cast that changes every
+        call), and cast the biases where they add them."""
         ex = self.experts
         biases = ((ex.gate_up_proj_bias, ex.down_proj_bias) if self.config.expert_bias
                   else (None, None))
+        if self.config.expert_precision == "fp8_rowwise":
+            return (ex.gate_up_proj, ex.down_proj, *biases)
         return tuple(_cast(t, self._autocast_to) for t in (ex.gate_up_proj, ex.down_proj,
                                                           *biases))
 
     def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None,
-                       weights=None):
+                       weights=None, x_rows=None):
         """The experts on their rows; ``weights`` is ``expert_weights()`` (read when
-        None)."""
+        None). With ``expert_precision='fp8_rowwise'``, ``x_rows`` holds the rows quantised
+        (the FP8 dispatch's ``Fp8Rows``; None: quantised here) and ``rows`` carries their
+        gradient."""
         c = self.config
         if c.score_apply == "pre":
             rows = self._weight_rows(rows, row_w)
         gate_up, down, gate_up_bias, down_bias = weights or self.expert_weights()
+        if c.expert_precision == "fp8_rowwise":
+            y = ExpertsFp8.apply(rows, x_rows, gate_up, down, offs,
+                                 row_w if c.score_apply == "activation" else None,
+                                 gate_up_bias, down_bias,
+                                 self.fp8_weights.get(gate_up, down, FP8_IMPL),
+                                 *self._experts_static[:4], slot)
+            if c.score_apply == "post" and post_weighting:
+                y = self._weight_rows(y, row_w)
+            return y
         # functional.experts' contract; its checks are the config's and check_parameters'.
         y = Experts.apply(rows, gate_up, down, offs,
                           row_w if c.score_apply == "activation" else None, gate_up_bias,
@@ -298,6 +316,7 @@ class MoELayer(nn.Module):
             slot = WeightGradSlot()
             overlap = (*weights[:2], slot, c.comm_num_sm, *weights[2:])
         skip = entry is not None and region.reentrant and c.skip_recompute_combine
+        fp8 = c.expert_precision == "fp8_rowwise"
         if (entry is not None and c.skip_recompute_combine and not region.reentrant
                 and not self.skip_mode_warned):
             self.skip_mode_warned = True
@@ -321,18 +340,18 @@ class MoELayer(nn.Module):
         if entry is None:
             plan = make_route_plan(idx, c.num_experts)
             layout = self.exchange.layout(plan, **checks.agreement(self, x2))
-            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, layout, False,
-                                                 *overlap)
+            rows, row_w, handle, x_rows = Dispatch.apply(x2, sent_w, self.exchange, layout,
+                                                         False, fp8, *overlap)
             if trains:
                 self.balance.count(plan.counts)
             if region is not None:
                 region.record(self, plan, handle, balance=terms)
         else:
-            rows, row_w, handle = Dispatch.apply(x2, sent_w, self.exchange, entry.handle, True,
-                                                 *overlap)
+            rows, row_w, handle, x_rows = Dispatch.apply(x2, sent_w, self.exchange,
+                                                         entry.handle, True, fp8, *overlap)
         y = self.expert_compute(rows, row_w, handle.local_offs,
                                 post_weighting=not (skip or home_w or fold_w), slot=slot,
-                                weights=weights)
+                                weights=weights, x_rows=x_rows)
         if skip:
             out = SkippedCombine.apply(y, row_w if c.score_apply == "post" else None,
                                        self.exchange, handle, c.impl == "fused")
@@ -473,6 +492,9 @@ class MoELayer(nn.Module):
             if x.is_cuda and checks.takes_comm_sms(c):
                 checks.check_comm_num_sm(c.comm_num_sm, sm_count(x.device))
             self._sms_checked_on = (x.dtype, x.device)
+        if c.expert_precision == "fp8_rowwise" and self._fp8_checked_on != (x.dtype, x.device):
+            check_fp8_call(x)
+            self._fp8_checked_on = (x.dtype, x.device)
         if region is not None and not c.recompute_in_checkpoint:
             out, logits = self._forward_kept(x2, region, seq_len)
         else:

@@ -314,3 +314,4 @@ def check_float16_scale(factor: float) -> None:
                          f"[{f16.tiny:.3g}, {f16.max:.3g}], in which this float16 layer "
                          "applies its routing weights: use a factor in that range, or run "
                          "the layer in bfloat16 or float32")
+

@@ -8,9 +8,12 @@ from .. import kernels
 from ..comm.base import Gathered, Summation
 from ..comm.carveout import sm_carveout
 from ..pure.experts import experts_bwd_weight
+from ..pure.experts_fp8 import ExpertsFp8WgradWork, experts_fp8_bwd_weight
+from ..pure.fp8 import unpack_rows_fp8
 from ..pure.router import RouterLinearRes, RouterRes, router_linear_bwd
 from ..pure.row_weight import RowWeightRes
 from ._common import contiguous_grad, refuse_double_backward
+from .experts import FP8_IMPL
 
 
 class Router(torch.autograd.Function):
@@ -58,9 +61,14 @@ class Router(torch.autograd.Function):
 class Dispatch(torch.autograd.Function):
     """Token rows and routing weights to expert rows on the ranks that own the experts.
 
-    Returns ``(rows, row_weights, handle)``; the handle (not a tensor) is what the combine
-    and a replayed dispatch reuse. Backward sends the row gradients (and routing-weight
-    gradients) back to the tokens' home ranks and sums each token's k rows.
+    Returns ``(rows, row_weights, handle, x_rows)``; the handle (not a tensor) is what the
+    combine and a replayed dispatch reuse. With ``fp8`` over an exchange that
+    ``encodes_rows``, the rows travel quantised (``moe_fn.pure.fp8``'s packed rows, written
+    by the exchange's gather: half the bytes of bf16): ``x_rows`` holds them as ``Fp8Rows``
+    and ``rows`` is a zero-stride ``(N, H)`` stand-in through which their gradient comes
+    back; otherwise ``x_rows`` is None and ``rows`` the rows. Backward sends the row
+    gradients (and routing-weight gradients) back to the tokens' home ranks and sums each
+    token's k rows.
 
     With ``weight_grad_slot`` (overlap_weight_grad) the expert weights are inputs too: the
     backward starts the combine of dX asynchronously, runs the experts' deferred dW GEMMs
@@ -70,17 +78,25 @@ class Dispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights, exchange, layout, cached, gate_up_proj=None, down_proj=None,
-                weight_grad_slot=None, carveout=None, gate_up_bias=None, down_bias=None):
-        rows, row_w, handle = exchange.dispatch(x, weights, layout, cached=cached)
+    def forward(ctx, x, weights, exchange, layout, cached, fp8=False, gate_up_proj=None,
+                down_proj=None, weight_grad_slot=None, carveout=None, gate_up_bias=None,
+                down_bias=None):
+        x_rows = None
+        if fp8 and exchange.encodes_rows:
+            packed, row_w, handle = exchange.dispatch(x, weights, layout, cached=cached,
+                                                      encode=FP8_IMPL.quantize_rows_packed)
+            x_rows = unpack_rows_fp8(packed, x.shape[1])
+            rows = x.new_zeros(()).expand(packed.shape[0], x.shape[1])
+        else:
+            rows, row_w, handle = exchange.dispatch(x, weights, layout, cached=cached)
         ctx.slot, ctx.carveout = weight_grad_slot, carveout
         ctx.exchange, ctx.handle = exchange, handle
         ctx.has_weights = weights is not None
         ctx.row_meta = (rows.shape, rows.dtype, rows.device)
-        return rows, (row_w if row_w is not None else rows.new_empty(0)), handle
+        return rows, (row_w if row_w is not None else rows.new_empty(0)), handle, x_rows
 
     @staticmethod
-    def backward(ctx, d_rows, d_row_w, _d_handle):
+    def backward(ctx, d_rows, d_row_w, _d_handle, _d_x_rows):
         refuse_double_backward("Dispatch")
         d_rows = contiguous_grad(d_rows)
         if d_rows is None:
@@ -89,17 +105,23 @@ class Dispatch(torch.autograd.Function):
         d_row_w = contiguous_grad(d_row_w) if ctx.has_weights else None
         if ctx.slot is None:
             dx, d_w = ctx.exchange.dispatch_backward(ctx.handle, d_rows, d_row_w).wait()
-            return (dx, d_w) + (None,) * 9
+            return (dx, d_w) + (None,) * 10
         work = ctx.slot.drain()
         pending = ctx.exchange.dispatch_backward(ctx.handle, d_rows, d_row_w, async_op=True)
         n = ctx.needs_input_grad
         try:
             with sm_carveout(ctx.carveout):
-                d_gup, d_down, d_gub, d_db = experts_bwd_weight(work,
-                                                                needs=(n[5], n[6], n[9], n[10]))
+                d_gup, d_down, d_gub, d_db = weight_grads(work, needs=(n[6], n[7], n[10], n[11]))
         finally:
             dx, d_w = pending.wait()
-        return dx, d_w, None, None, None, d_gup, d_down, None, None, d_gub, d_db
+        return dx, d_w, None, None, None, None, d_gup, d_down, None, None, d_gub, d_db
+
+
+def weight_grads(work, *, needs):
+    """The deferred weight gradients of either expert path's ``work``."""
+    if isinstance(work, ExpertsFp8WgradWork):
+        return experts_fp8_bwd_weight(work, needs=needs)
+    return experts_bwd_weight(work, needs=needs)
 
 
 class Combine(torch.autograd.Function):

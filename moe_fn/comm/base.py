@@ -5,11 +5,14 @@ Rank r owns the contiguous global experts ``[r*E_local, (r+1)*E_local)``. Its ve
 
 - ``layout(plan) -> layout``: what the dispatch must know before it runs (split sizes,
   DeepEP's layout, ...). Counted as ``"layout"``.
-- ``dispatch(x, weights, layout, *, cached=False) -> (rows, row_weights, handle)``: token
-  rows ``x (T, H)`` and their routing weights ``(T, k)`` (or None) to expert rows
-  ``(N, H)`` grouped by local expert (``handle.local_offs``), each with its weight. The
-  handle is what every later move of the same route reuses; ``cached=True`` replays a
-  dispatch with the handle it returned (no layout, no host sync).
+- ``dispatch(x, weights, layout, *, cached=False, encode=None) -> (rows, row_weights,
+  handle)``: token rows ``x (T, H)`` and their routing weights ``(T, k)`` (or None) to
+  expert rows ``(N, H)`` grouped by local expert (``handle.local_offs``), each with its
+  weight. The handle is what every later move of the same route reuses; ``cached=True``
+  replays a dispatch with the handle it returned (no layout, no host sync). ``encode(src,
+  index) -> rows`` (only where ``encodes_rows``): the exchange moves ``encode``'s rows of
+  the tokens ``src[index]`` (``index`` None: all of them) instead of the tokens themselves,
+  calling it where it first reads the token rows (the FP8 dispatch's quantising gather).
 - ``dispatch_backward(handle, d_rows, d_row_weights, *, async_op=False) -> Pending``: row
   gradients back to their tokens, summed over k; ``wait()`` gives ``(dx, d_weights)``.
   With ``async_op`` the move runs beside what the caller queues until ``wait()`` (the
@@ -25,7 +28,9 @@ Rank r owns the contiguous global experts ``[r*E_local, (r+1)*E_local)``. Its ve
   backward as a gather not yet run, so that the caller can fuse it into what reads it
   (the backward of a row weighting that preceded the combine).
 
-Capability (a class attribute, ``summation``): where a combine sums each token's k rows,
+Capabilities (class attributes): ``encodes_rows``, whether ``dispatch`` takes ``encode``
+(rows of any dtype and width move as they are); ``summation``, where a combine sums each
+token's k rows,
 and so where routing weights may enter that sum instead of a weighting pass of their own
 (``Summation``). Whether they do is the caller's choice (``MoELayer``'s ``impl``): the
 exchanges weight what they are given and decide nothing about weighting.
@@ -108,6 +113,7 @@ class Exchange(abc.ABC):
 
     backend: ClassVar[str]
     summation: ClassVar[Summation]
+    encodes_rows: ClassVar[bool] = False
 
     def __init__(self, *, num_experts: int, ep_size: int, rank: int, group, resources):
         if num_experts % ep_size:
@@ -136,7 +142,7 @@ class Exchange(abc.ABC):
         collective of its own where the layout gathers counts anyway."""
 
     @abc.abstractmethod
-    def dispatch(self, x, weights, layout, *, cached: bool = False):
+    def dispatch(self, x, weights, layout, *, cached: bool = False, encode=None):
         """Token rows (and weights) to expert rows: ``(rows, row_weights, handle)``."""
 
     @abc.abstractmethod
@@ -160,6 +166,13 @@ class Exchange(abc.ABC):
     def reset_counters(self) -> None:
         for k in COUNTER_KEYS:
             self.counters[k] = 0
+
+
+def refuse_encode(exchange: Exchange, encode) -> None:
+    """An exchange whose moves are typed (``encodes_rows`` False) takes no ``encode``."""
+    if encode is not None:
+        raise TypeError(f"the {exchange.backend!r} exchange moves rows of the layer's dtype "
+                        "only (encodes_rows is False): dispatch its rows, then encode them")
 
 
 def side_stream_after(resources, *inputs):

@@ -22,6 +22,7 @@ from .base import (
     Summation,
     check_cached_tokens,
     check_combine_weights,
+    refuse_encode,
 )
 from .collectives import gather_stamps
 
@@ -130,7 +131,9 @@ class DeepEPExchange(Exchange):
                                                    self.num_local_experts, n)
         return token, slot, offs.to(recv_idx.device), n, row_of_slot
 
-    def dispatch(self, x, weights, layout, *, cached: bool = False):
+    def dispatch(self, x, weights, layout, *, cached: bool = False,
+                 encode=None):
+        refuse_encode(self, encode)
         self._check_rows("x", x)
         x = x.contiguous()
         if cached:

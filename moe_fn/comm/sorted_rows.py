@@ -71,6 +71,7 @@ class SortedRowsExchange(Exchange):
 
     summation = Summation.HOME
     combine_on_side_stream = True
+    encodes_rows = True
 
     def __init__(self, *, fused_sums: bool, **kw):
         super().__init__(**kw)
@@ -94,14 +95,19 @@ class SortedRowsExchange(Exchange):
     # ``weights``, one value per moved row (routing weights, their gradients), which travel
     # packed behind the rows in the same collective (``pack_rows``) and come back in the
     # rows' order.
-    def _to_experts(self, token_rows, h: SortedRowsHandle, weights=None):
+    def _to_experts(self, token_rows, h: SortedRowsHandle, weights=None, encode=None):
         """Token rows ``(T, D)`` -> ``(expert rows (N, D), their weights (N,) or None)``,
         given ``weights (T*k,)`` packed into the same collective: own rows copied straight
         to their expert-major places while the remote rows are in flight, the remote rows
         to theirs once arrived (no buffer of all rows gathered a second time)."""
         if h.self_dst is None:  # one rank: sorted order is expert order
-            return (kernels.gather_rows(token_rows, h.self_tokens),
-                    None if weights is None else weights.index_select(0, h.flat.self_tokens))
+            rows = (kernels.gather_rows(token_rows, h.self_tokens) if encode is None
+                    else encode(token_rows, h.self_tokens))
+            return rows, (None if weights is None
+                          else weights.index_select(0, h.flat.self_tokens))
+        if encode is not None:
+            # Each token encoded once at home; its rows then move as they are.
+            token_rows = encode(token_rows, None)
         w = None if weights is None else weights.reshape(-1, 1)
         send = _send_gather(token_rows, h.remote_tokens, w, h.flat.remote_tokens)
         buf, work = self._exchange(send, h.send_splits, h.recv_splits, async_op=True)
@@ -178,13 +184,15 @@ class SortedRowsExchange(Exchange):
         return impl(home.rows, home.order, weights, k)[0]
 
     # ---- dispatch: token rows -> expert rows -----------------------------------------------
-    def dispatch(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False):
+    def dispatch(self, x, weights, handle: SortedRowsHandle, *, cached: bool = False,
+                 encode=None):
         if cached:
             check_cached_tokens(x, handle)
         # The layout already is the handle: split sizes fix everything the dispatch needs.
         self.counters["cached_dispatch" if cached else "dispatch"] += 1
         rows, row_weights = self._to_experts(x, handle,
-                                             None if weights is None else weights.reshape(-1))
+                                             None if weights is None else weights.reshape(-1),
+                                             encode)
         return rows, row_weights, handle
 
     def dispatch_backward(self, handle: SortedRowsHandle, d_rows, d_row_weights, *,

@@ -32,6 +32,7 @@ from .base import (
     check_cached_tokens,
     check_combine_weights,
     joined,
+    refuse_encode,
     side_stream_after,
 )
 from .collectives import gather_counts, group_and_size
@@ -125,7 +126,9 @@ class SymmMemExchange(Exchange):
         return self._pull_home(self._expose_partials(rows, values, h, row_weights), h,
                                rows.dtype)
 
-    def dispatch(self, x, weights, handle: SymmMemHandle, *, cached: bool = False):
+    def dispatch(self, x, weights, handle: SymmMemHandle, *, cached: bool = False,
+                 encode=None):
+        refuse_encode(self, encode)
         if cached:
             check_cached_tokens(x, handle)
         self.counters["cached_dispatch" if cached else "dispatch"] += 1

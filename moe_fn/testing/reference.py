@@ -262,12 +262,15 @@ def reference_experts(x, gate_up_proj, down_proj, counts, *, activation: str = "
     return torch.cat(outs, dim=0)
 
 
-def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None) -> MoEOutput:
+def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None,
+                  fp8: bool = False) -> MoEOutput:
     """The MoE layer of ``config`` on ``x (..., H)`` with all experts in ``params``.
 
     Dense over experts: each expert's output for every token, combined with the dense
-    routing weights. ``topk_idx`` replays a route. Returns ``MoEOutput(out (..., H),
-    logits (T, E), route)``.
+    routing weights. ``topk_idx`` replays a route. With ``fp8`` the experts' two GEMMs are
+    ``moe_fn.testing.fp8.fp8_linear`` (the plain arm for ``expert_precision=
+    'fp8_rowwise'``; its float64 oracle is the call without). Returns ``MoEOutput(out
+    (..., H), logits (T, E), route)``.
     """
     c = config
     shape = x.shape
@@ -287,19 +290,29 @@ def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None) -> 
     rows = x2[:, None, :].expand(t, e, c.hidden_size)
     if c.score_apply == "pre":
         rows = rows * dense_w[:, :, None]
-    gu = torch.einsum("teh,eoh->teo", rows, params.gate_up_proj)
+    gu = (_per_expert_fp8(rows, params.gate_up_proj) if fp8 else
+          torch.einsum("teh,eoh->teo", rows, params.gate_up_proj))
     if params.gate_up_proj_bias is not None:
         gu = gu + params.gate_up_proj_bias
     h = reference_activation(*split_gate_up(gu, c.gate_up_layout), c.activation,
                              alpha=c.activation_alpha, limit=c.activation_limit)
     if c.score_apply == "activation":
         h = h * dense_w[:, :, None]
-    y = torch.einsum("tei,ehi->teh", h, params.down_proj)
+    y = (_per_expert_fp8(h, params.down_proj) if fp8 else
+         torch.einsum("tei,ehi->teh", h, params.down_proj))
     if params.down_proj_bias is not None:
         y = y + params.down_proj_bias
     combine = dense_w if c.score_apply == "post" else chosen
     out = torch.einsum("te,teh->th", combine, y)
     return MoEOutput(out.reshape(shape), logits, route)
+
+
+def _per_expert_fp8(rows, weight):
+    """``rows (T, E, K)`` through expert e's ``weight[e] (N, K)`` as FP8 linears."""
+    from .fp8 import fp8_linear
+
+    return torch.stack([fp8_linear(rows[:, e], weight[e]) for e in range(weight.shape[0])],
+                       dim=1)
 
 
 def layer_params(layer) -> MoEParams:

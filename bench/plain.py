@@ -54,6 +54,33 @@ def experts(x, w_gate, w_up, w_down, offs):
     return torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
 
 
+def torchao_fp8_available() -> bool:
+    """Whether torchao's FP8 rowwise MoE training GEMM can run here (CUDA, torchao)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import (  # noqa: F401
+            _to_fp8_rowwise_then_scaled_grouped_mm,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+def torchao_fp8_experts(x, gate_up, down, offs):
+    """torchao's FP8 rowwise MoE training path, as TorchTitan runs the experts: each
+    GEMM through ``_to_fp8_rowwise_then_scaled_grouped_mm`` (its own Triton quantisation of
+    both operands, forward and backward; groups already multiples of 16, so unpadded),
+    an eager SwiGLU between."""
+    from torchao.prototype.moe_training.fp8_grouped_mm import (
+        _to_fp8_rowwise_then_scaled_grouped_mm as fp8_mm,
+    )
+    i = down.shape[2]
+    gu = fp8_mm(x, gate_up.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False)
+    h = F.silu(gu[:, :i]) * gu[:, i:]
+    return fp8_mm(h, down.transpose(-2, -1), offs, pad_token_groups_for_grouped_mm=False)
+
+
 def grouped_linear_loop(x, weight, counts: list[int]):
     """A Python loop of one matmul per expert."""
     parts, start = [], 0

@@ -85,9 +85,10 @@ else:
     LAYER_MODELS = (SMALL, SMALL_GROUPED)
     CHECKPOINT_MODELS = (SMALL,)
 
-# The moe_fn arms of the layer benchmarks: the default config (the fastest), and the
-# reference path (impl="reference": the eager weighting and combine, the oracle).
-MOE_FN_ARMS = {"moe_fn": {}, "moe_fn-reference": dict(impl="reference")}
+# The moe_fn arms of the layer benchmarks: the default config (the fastest), the reference
+# path (impl="reference": the eager weighting and combine, the oracle), and the FP8 experts.
+MOE_FN_ARMS = {"moe_fn": {}, "moe_fn-reference": dict(impl="reference"),
+               "moe_fn-fp8": dict(expert_precision="fp8_rowwise")}
 # The recompute-combine skip.
 SKIP = dict(skip_recompute_combine=True)
 

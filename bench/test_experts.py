@@ -5,7 +5,10 @@ Grouped linear (the gate+up projection, H -> 2I): ``functional.grouped_linear`` 
 (gate+up, activation, down): ``functional.experts`` with the fused gate+up (one GEMM over
 the packed weight, the packed activation) and the separate one, against plain PyTorch (three
 ``torch._grouped_mm`` and an eager ``silu(g) * u``) and transformers' ``grouped_mm`` experts
-(``Qwen3MoeExperts``). Counts: uniform; for the first shape also skewed (expert 0 empty,
+(``Qwen3MoeExperts``); the FP8 arms: ``functional.experts(precision="fp8_rowwise")`` with its
+weights quantised once (as a layer's cache keeps them between optimizer steps) and
+torchao's FP8 rowwise MoE training GEMMs (``plain.torchao_fp8_experts``; CUDA with
+torchao, uniform counts). Counts: uniform; for the first shape also skewed (expert 0 empty,
 the others rising linearly). FLOPs: 2 N H 2I (grouped linear), 2 N H 3I (expert MLP)
 forward, three times that forward + backward.
 """
@@ -19,9 +22,10 @@ from bench import harness, plain, shapes
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 from moe_fn import functional
+from moe_fn.autograd.fp8_cache import Fp8WeightCache
 
 LINEAR_ARMS = ("moe_fn", "torch")
-MLP_ARMS = ("moe_fn", "moe_fn-separate", "torch", "transformers")
+MLP_ARMS = ("moe_fn", "moe_fn-separate", "moe_fn-fp8", "torch", "transformers", "torchao-fp8")
 CASES = [(m, "uniform") for m in names(KERNEL_MODELS)] + [(KERNEL_MODELS[0].name, "skewed")]
 _inputs = harness.Latest()
 
@@ -50,7 +54,8 @@ def _make(model, kind):
                                             torch.tensor(counts, device=dev))[:, None]
     ones = torch.ones(n, 1, device=dev, dtype=x.dtype)
     hf = plain.hf_experts(model, gate_up, down)
-    return dict(counts=counts, gate_up=gate_up, down=down, w_gate=w_gate, w_up=w_up,
+    return dict(fp8_weights=Fp8WeightCache(),
+                counts=counts, gate_up=gate_up, down=down, w_gate=w_gate, w_up=w_up,
                 w_down=w_down, x=x, offs=offs, expert_of_row=expert_of_row, ones=ones, hf=hf,
                 dy=harness.randn(n, h, seed=4), dy_linear=harness.randn(n, 2 * i, seed=5))
 
@@ -94,12 +99,19 @@ def test_experts(measure, model, counts, arm, phase):
     model = shapes.get(model)
     d = _inputs.get((model.name, counts), lambda: _make(model, counts))
     x, offs = d["x"], d["offs"]
+    if arm == "torchao-fp8" and (counts != "uniform" or not plain.torchao_fp8_available()):
+        pytest.skip("torchao's FP8 grouped GEMM: CUDA with torchao installed, groups of a "
+                    "multiple of 16 rows")
     fns = {
         "moe_fn": lambda: functional.experts(x, d["gate_up"], d["down"], offs),
         "moe_fn-separate": lambda: functional.experts(x, d["gate_up"], d["down"], offs,
                                                       gate_up_impl="separate"),
         "torch": lambda: plain.experts(x, d["w_gate"], d["w_up"], d["w_down"], offs),
         "transformers": lambda: d["hf"](x, d["expert_of_row"], d["ones"]),
+        "moe_fn-fp8": lambda: functional.experts(x, d["gate_up"], d["down"], offs,
+                                                 precision="fp8_rowwise",
+                                                 fp8_weights=d["fp8_weights"]),
+        "torchao-fp8": lambda: plain.torchao_fp8_experts(x, d["gate_up"], d["down"], offs),
     }
     leaves = (x, d["gate_up"], d["down"], d["w_gate"], d["w_up"], d["w_down"])
     flops = 2 * model.expert_rows * model.hidden * 3 * model.inter

@@ -157,13 +157,7 @@ class _Paired:
         return statistics.median(a / b for a, b in zip(*(t[skip:] for t in self.times)))
 
 
-@pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("model", PAIRED_MODELS)
-@pytest.mark.benchmark(group="layer default / reference, paired", timer=CLOCK)
-def test_layer_default_against_reference(measure, benchmark, model, phase):
-    """The default config and ``MOE_FN_ARMS["moe_fn-reference"]`` alternated round by
-    round; ``paired_ratio`` is the median over rounds of default time / reference time
-    (below 1: the default faster)."""
+def _paired(measure, benchmark, model, phase, first, second):
     model = shapes.get(model)
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
@@ -181,12 +175,31 @@ def test_layer_default_against_reference(measure, benchmark, model, phase):
             fn(x).backward(dy)
         return step
 
-    pair = _Paired(call("moe_fn"), call("moe_fn-reference"))
+    pair = _Paired(call(first), call(second))
     flops = layer_flops(model) * (3 if phase == "fwd+bwd" else 1)
     measure(pair, shape=f"{model.name} {phase}", flops=2 * flops,
-            info={"tokens": model.tokens, "pair": ["moe_fn", "moe_fn-reference"]})
+            info={"tokens": model.tokens, "pair": [first, second]})
     if len(pair.times[0]) > measure.warmup:  # timed (not --benchmark-disable)
         benchmark.extra_info["paired_ratio"] = pair.ratio(measure.warmup)
-        for arm, t in zip(("moe_fn", "moe_fn-reference"), pair.times):
+        for arm, t in zip((first, second), pair.times):
             benchmark.extra_info[f"{arm}_median_ms"] = statistics.median(
                 t[measure.warmup:]) * 1e3
+
+
+@pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("model", PAIRED_MODELS)
+@pytest.mark.benchmark(group="layer default / reference, paired", timer=CLOCK)
+def test_layer_default_against_reference(measure, benchmark, model, phase):
+    """The default config and ``MOE_FN_ARMS["moe_fn-reference"]`` alternated round by
+    round; ``paired_ratio`` is the median over rounds of default time / reference time
+    (below 1: the default faster)."""
+    _paired(measure, benchmark, model, phase, "moe_fn", "moe_fn-reference")
+
+
+@pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("model", PAIRED_MODELS)
+@pytest.mark.benchmark(group="layer fp8 / default, paired", timer=CLOCK)
+def test_layer_fp8_against_default(measure, benchmark, model, phase):
+    """``expert_precision="fp8_rowwise"`` and the default alternated round by round;
+    ``paired_ratio``: FP8 time / default time (below 1: FP8 faster)."""
+    _paired(measure, benchmark, model, phase, "moe_fn-fp8", "moe_fn")

@@ -27,8 +27,8 @@ step's loss (mean over ranks): step 1 losses agree across arms up to bf16 roundi
 
 ``--single`` (one GPU, no torchrun): the unconverted model with transformers' grouped_mm
 experts against the converted model on the local backend (every ep-1 option on; and
-``moe_fn_local_kept``, not recomputing the MoE layers), and a bound with the MoE blocks
-removed; same harness.
+``moe_fn_local_kept``, not recomputing the MoE layers; ``moe_fn_local_fp8``, the FP8
+experts), and a bound with the MoE blocks removed; same harness.
 
 An arm that runs out of memory is recorded as such and dropped (building it, or during a
 step: the whole round is then checked across ranks). Results are rewritten to the JSON
@@ -93,6 +93,7 @@ def ep_arms(comm_num_sm: int, comm: str) -> dict[str, dict]:
 
 
 SINGLE_ON = dict(gate_up_impl="fused", impl="fused", skip_recompute_combine=True)
+FP8 = dict(expert_precision="fp8_rowwise")
 
 
 def say(*a):
@@ -473,6 +474,7 @@ def main(argv=None):
         kept = SINGLE_ON | dict(skip_recompute_combine=False, recompute_in_checkpoint=False)
         arms = {"hf_grouped_mm": ({}, "hf"), "moe_fn_local": (SINGLE_ON, "convert"),
                 "moe_fn_local_kept": (kept, "convert"),
+                "moe_fn_local_fp8": (SINGLE_ON | FP8, "convert"),
                 "moe_removed_bound": ({}, "remove_moe")}
         baseline = "hf_grouped_mm"
     else:

@@ -126,9 +126,9 @@ def main(argv=None):
                   max_rel_diff_after_warmup=max(after) if after else None,
                   mean_rel_diff_after_warmup=sum(after) / len(after) if after else None,
                   all_finite=finite, passed=ok, wall_s=wall)
-    print(f"max |fp8 - bf16| / bf16 after step {args.warmup_steps}: {result['max_rel_diff_after_warmup']:.4%}"
-          f" (mean {result['mean_rel_diff_after_warmup']:.4%}); finite {finite}; "
-          f"{'PASS' if ok else 'FAIL'}")
+    worst, mean = result["max_rel_diff_after_warmup"], result["mean_rel_diff_after_warmup"]
+    print(f"max |fp8 - bf16| / bf16 after step {args.warmup_steps}: {worst:.4%} (mean "
+          f"{mean:.4%}); finite {finite}; {'PASS' if ok else 'FAIL'}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -150,7 +150,8 @@ def _plot(result, path):
         a.plot(steps, losses, label=name, lw=1)
     a.set_ylabel("loss")
     a.legend()
-    a.set_title(f"{result['model']} model: FP8 experts against bf16 ({result['env'].get('device', '')})")
+    device = result["env"].get("device", "")
+    a.set_title(f"{result['model']} model: FP8 experts against bf16 ({device})")
     rel = [100 * (x - y) / y for x, y in zip(result["losses"]["fp8"], result["losses"]["bf16"])]
     b.plot(steps, rel, lw=1, color="C2")
     b.axhline(100 * result["tol"], ls=":", color="grey")

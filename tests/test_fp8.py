@@ -24,6 +24,7 @@ from moe_fn.testing import (
     split_gate_up,
 )
 from moe_fn.testing.fp8 import fp8_linear
+from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
 from tests.ep_cases import load_rank_slice
 
@@ -274,7 +275,13 @@ def test_an_overflow_is_named_under_debug_checks():
 # ---- expert parallelism over gloo --------------------------------------------------------
 
 
-def _ep_body(rank, world, backend, tokens):
+def _ep_body(rank, world, backends, tokens):
+    fake_deep_ep.install()  # comm_backend="deepep": DeepEP's Buffer over gloo
+    for backend in backends:
+        _ep_case(rank, world, backend, tokens)
+
+
+def _ep_case(rank, world, backend, tokens):
     cfg_full = _config(num_experts=8)
     full = _layer(cfg_full, seed=7, dtype=torch.float32)
     torch.manual_seed(11)
@@ -302,12 +309,14 @@ def _ep_body(rank, world, backend, tokens):
                                   for n in ("experts.gate_up_proj", "experts.down_proj"))):
         n_terms = sum(tokens) * cfg.top_k
         bound = 2 * n_terms * torch.finfo(torch.float32).eps * want_g.abs().max()
-        assert (got_g - want_g).abs().max() <= bound, name
+        assert (got_g - want_g).abs().max() <= bound, (backend, name)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("backend, world", [("all_to_all", 2), ("all_to_all", 4),
-                                            ("symm_mem", 2)])
-def test_expert_parallel_fp8_matches_one_process(backend, world):
+@pytest.mark.parametrize("world, backends", [(2, ("all_to_all", "symm_mem", "deepep")),
+                                             (4, ("all_to_all",))])
+def test_expert_parallel_fp8_matches_one_process(world, backends):
+    # all_to_all carries the quantised rows; symm_mem and DeepEP deliver rows in the
+    # layer's dtype, which the experts quantise.
     tokens = [7, 0, 5, 9][:world]
-    run_distributed(_ep_body, world, backend, tokens)
+    run_distributed(_ep_body, world, backends, tokens)

@@ -23,6 +23,7 @@ from .comm.carveout import sm_count
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
 from .pure.activations import resolve_layout
+from .pure.experts_fp8 import quantize_expert_weights
 from .records import RoutePlan
 from .replay import KeptActivations, current_region
 from .resources import RESOURCES
@@ -254,10 +255,16 @@ class MoELayer(nn.Module):
             rows = self._weight_rows(rows, row_w)
         gate_up, down, gate_up_bias, down_bias = weights or self.expert_weights()
         if c.expert_precision == "fp8_rowwise":
+            if gate_up.is_cuda and torch.cuda.is_current_stream_capturing():
+                # A CUDA graph replays without the host: the cache's check would run once,
+                # at capture, and every replay would read those weights however they
+                # changed since. Quantised inside the graph, every replay reads them anew.
+                quantized = quantize_expert_weights(gate_up, down, FP8_IMPL)
+            else:
+                quantized = self.fp8_weights.get(gate_up, down, FP8_IMPL)
             y = ExpertsFp8.apply(rows, x_rows, gate_up, down, offs,
                                  row_w if c.score_apply == "activation" else None,
-                                 gate_up_bias, down_bias,
-                                 self.fp8_weights.get(gate_up, down, FP8_IMPL),
+                                 gate_up_bias, down_bias, quantized,
                                  *self._experts_static[:4], slot)
             if c.score_apply == "post" and post_weighting:
                 y = self._weight_rows(y, row_w)

@@ -11,11 +11,15 @@ an exchange's buffer) where the pure one takes ``out_dtype=``, and
 three values.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
-``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``.
+``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``, and the FP8
+rows of ``moe_fn.pure.fp8`` (same bits as the pure functions): ``quantize_rows`` and
+``quantize_rows_packed`` (rows read through an index or not: the FP8 dispatch's gather and
+quantisation in one pass) and ``dequantize_rows``.
 ``router_fwd`` and ``router_linear_fwd`` (the router's linear and its routing in one launch)
 are plain functions (no custom op): their Triton kernel runs in eager mode only. The
 explicit Triton launchers (any device; CPU under ``TRITON_INTERPRET=1``) are
-``moe_fn.kernels.activation.launch_*`` and ``moe_fn.kernels.row_weight.launch_*``.
+``moe_fn.kernels.activation.launch_*``, ``moe_fn.kernels.fp8.launch_*`` and
+``moe_fn.kernels.row_weight.launch_*``.
 ``layout`` and ``layout_with_tokens`` are plain functions too: two or three Triton launches
 for CUDA ``topk_idx`` in eager mode (``moe_fn.kernels.dispatch_layout.launch_layout``), the
 pure ``layout`` elsewhere; so are the exchanges' layout halves around their host sync,
@@ -30,10 +34,12 @@ import sys
 import torch
 
 from ..pure import dispatch as _pure_dispatch
+from ..pure import fp8 as _pure_fp8
 from ..pure import peer_layout as _pure_peer_layout
 from ..pure import router as _pure_router
 from ..pure import row_weight as _pure_row_weight
 from ..pure.activations import SwigluPackedRes, SwigluRes
+from ..pure.fp8 import Fp8Rows
 from ..pure.row_weight import RowWeightRes
 from . import _registry
 from ._registry import use_triton
@@ -41,6 +47,10 @@ from .dispatch_layout import launch_layout as _launch_layout
 from .router import groups_supported, launch_router_fwd, launch_router_linear_fwd, linear_supported
 
 __all__ = [
+    "Fp8Rows",
+    "dequantize_rows",
+    "quantize_rows",
+    "quantize_rows_packed",
     "gather_row_weight_bwd",
     "gather_sum_fwd",
     "gather_sum_own",
@@ -108,6 +118,27 @@ def swiglu_packed_bwd(res: SwigluPackedRes, dh, *, needs=(True, True)):
                                      res.limit, res.layout_id, bool(needs[0]), bool(needs[1]))
     return (dgu if needs[0] else None,
             dw if (needs[1] and res.weights is not None) else None)
+
+
+def quantize_rows(x: torch.Tensor, index: torch.Tensor | None = None) -> Fp8Rows:
+    """``moe_fn.pure.fp8.quantize_rows``: ``x (T, D)`` float16/bfloat16/float32, rows
+    ``x[index]`` when given, into ``Fp8Rows(q (n, D) e4m3, scale (n,) float32)`` in one
+    Triton pass for CUDA tensors."""
+    q, scale = _op("quantize_rows")(x, index)
+    return Fp8Rows(q, scale)
+
+
+def quantize_rows_packed(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_fn.pure.fp8.quantize_rows_packed``: ``(n, D + 16)`` uint8 rows (e4m3 bytes,
+    the float32 scale, 12 zero bytes); ``D % 16 == 0``."""
+    return _op("quantize_rows_packed")(x, index)
+
+
+def dequantize_rows(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
+    """``moe_fn.pure.fp8.dequantize_rows``: ``q * scale`` in ``dtype``; ``rows.q`` may be a
+    row-strided view (of packed rows)."""
+    _pure_fp8.check_fp8_rows(rows)
+    return _op("dequantize_rows")(rows.q.view(torch.uint8), rows.scale, dtype)
 
 
 def row_weight_fwd(rows, weights):

@@ -15,6 +15,7 @@ import torch
 
 from ..pure import activations as _pa
 from ..pure import dispatch as _pd
+from ..pure import fp8 as _pf
 from ..pure import row_weight as _pr
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -245,3 +246,75 @@ def weighted_gather_sum_op(rows: torch.Tensor, index: torch.Tensor, weights: tor
 @weighted_gather_sum_op.register_fake
 def _(rows, index, weights, top_k):
     return rows.new_empty((index.shape[0] // top_k, rows.shape[1]))
+
+
+# ----------------------------------------------------------------------------- FP8 rows
+
+
+@_custom_op("quantize_rows")
+def quantize_rows_op(x: torch.Tensor, index: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    _pf.check_quantize_args(x, index)
+    if use_triton(x):
+        from . import fp8
+
+        q, scale = fp8.launch_quantize_rows(x, index)
+    else:
+        q, scale = _pf.quantize_rows(x, index)
+    return q.contiguous(), scale
+
+
+@quantize_rows_op.register_fake
+def _(x, index):
+    _pf.check_quantize_args(x, index, values=False)
+    n = x.shape[0] if index is None else index.shape[0]
+    return x.new_empty((n, x.shape[1]), dtype=_pf.FP8_DTYPE), x.new_empty((n,),
+                                                                           dtype=torch.float32)
+
+
+@_custom_op("quantize_rows_packed")
+def quantize_rows_packed_op(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    _pf.check_quantize_args(x, index, packed=True)
+    if use_triton(x):
+        from . import fp8
+
+        return fp8.launch_quantize_rows_packed(x, index)
+    return _pf.quantize_rows_packed(x, index)
+
+
+@quantize_rows_packed_op.register_fake
+def _(x, index):
+    _pf.check_quantize_args(x, index, packed=True, values=False)
+    n = x.shape[0] if index is None else index.shape[0]
+    return x.new_empty((n, x.shape[1] + _pf.PACK_TAIL), dtype=torch.uint8)
+
+
+def _check_dequantize_args(q_bytes, scale, dtype) -> _pf.Fp8Rows:
+    """The op takes the e4m3 rows as their bytes (uint8): ``opcheck``'s schema test
+    compares inputs with ``allclose``, which has no float8 kernel on CPU."""
+    if not isinstance(q_bytes, torch.Tensor) or q_bytes.dtype != torch.uint8:
+        got = q_bytes.dtype if isinstance(q_bytes, torch.Tensor) else type(q_bytes).__name__
+        raise TypeError(f"dequantize_rows takes the e4m3 rows as uint8 bytes (rows.q.view("
+                        f"torch.uint8)), got {got}")
+    rows = _pf.Fp8Rows(q_bytes.view(_pf.FP8_DTYPE), scale)
+    _pf.check_fp8_rows(rows)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize_rows: dtype must be a floating torch.dtype, got {dtype!r}")
+    return rows
+
+
+@_custom_op("dequantize_rows")
+def dequantize_rows_op(q_bytes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    rows = _check_dequantize_args(q_bytes, scale, dtype)
+    if use_triton(scale) and dtype in KERNEL_DTYPES:  # scale: float32 on q's device
+        from . import fp8
+
+        return fp8.launch_dequantize_rows(rows, dtype)
+    return _pf.dequantize_rows(rows, dtype).contiguous()
+
+
+@dequantize_rows_op.register_fake
+def _(q_bytes, scale, dtype):
+    _check_dequantize_args(q_bytes, scale, dtype)
+    return q_bytes.new_empty(q_bytes.shape, dtype=dtype)

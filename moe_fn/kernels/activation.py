@@ -21,20 +21,14 @@ keyed on ``I`` and the static flags; ``MOE_FN_AUTOTUNE=0`` picks a fixed heurist
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .._checks import env_flag
 from ..pure.activations import LAYOUT_ID, split_packed
-from ._launch import cdiv, int32_columns, launch, next_pow2
+from ._launch import cdiv, int32_columns, interpreting, launch, next_pow2
 from ._registry import KERNEL_DTYPES
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _autotune_enabled() -> bool:

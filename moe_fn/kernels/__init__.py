@@ -14,7 +14,9 @@ Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd`
 ``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``, and the FP8
 rows of ``moe_fn.pure.fp8`` (same bits as the pure functions): ``quantize_rows`` and
 ``quantize_rows_packed`` (rows read through an index or not: the FP8 dispatch's gather and
-quantisation in one pass) and ``dequantize_rows``.
+quantisation in one pass), ``dequantize_rows``, and the packed activation with its
+quantisation fused in, ``swiglu_packed_fwd_fp8`` (the FP8 rows of ``swiglu_packed_fwd``'s
+output) and ``swiglu_packed_bwd_fp8`` (``d_gate_up`` and its FP8 rows in one kernel).
 ``router_fwd`` and ``router_linear_fwd`` (the router's linear and its routing in one launch)
 are plain functions (no custom op): their Triton kernel runs in eager mode only. The
 explicit Triton launchers (any device; CPU under ``TRITON_INTERPRET=1``) are
@@ -51,6 +53,8 @@ __all__ = [
     "dequantize_rows",
     "quantize_rows",
     "quantize_rows_packed",
+    "swiglu_packed_bwd_fp8",
+    "swiglu_packed_fwd_fp8",
     "gather_row_weight_bwd",
     "gather_sum_fwd",
     "gather_sum_own",
@@ -139,6 +143,25 @@ def dequantize_rows(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
     row-strided view (of packed rows)."""
     _pure_fp8.check_fp8_rows(rows)
     return _op("dequantize_rows")(rows.q.view(torch.uint8), rows.scale, dtype)
+
+
+def swiglu_packed_fwd_fp8(gate_up, weights=None, *, act_id: int, alpha: float, limit: float,
+                          layout_id: int):
+    """``(quantize_rows(h), res)`` of ``swiglu_packed_fwd`` in one kernel: the FP8 rows
+    are the same bits as quantising the ``h`` that ``swiglu_packed_fwd`` returns."""
+    q, scale = _op("swiglu_packed_fwd_fp8")(gate_up, weights, act_id, alpha, limit, layout_id)
+    return Fp8Rows(q, scale), SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
+
+
+# The derivative is swiglu_packed_bwd's; the FP8 rows are those of its d_gate_up.
+def swiglu_packed_bwd_fp8(res, dh, *, needs=(True, True)):
+    """``(d_gate_up, quantize_rows(d_gate_up), d_weights)`` of ``swiglu_packed_bwd`` in
+    one kernel; ``d_weights`` is None without weights or ``needs[1]``."""
+    _pure_fp8.check_fp8_bwd_needs(needs)
+    dgu, q, scale, dw = _op("swiglu_packed_bwd_fp8")(res.gate_up, res.weights, dh, res.act_id,
+                                                     res.alpha, res.limit, res.layout_id,
+                                                     bool(needs[1]))
+    return dgu, Fp8Rows(q, scale), (dw if (needs[1] and res.weights is not None) else None)
 
 
 def row_weight_fwd(rows, weights):

@@ -318,3 +318,63 @@ def dequantize_rows_op(q_bytes: torch.Tensor, scale: torch.Tensor, dtype: torch.
 def _(q_bytes, scale, dtype):
     _check_dequantize_args(q_bytes, scale, dtype)
     return q_bytes.new_empty(q_bytes.shape, dtype=dtype)
+
+
+@_custom_op("swiglu_packed_fwd_fp8")
+def swiglu_packed_fwd_fp8_op(gate_up: torch.Tensor, weights: torch.Tensor | None, act_id: int,
+                             alpha: float, limit: float, layout_id: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    if use_triton(gate_up):
+        from . import activation
+
+        q, scale = activation.launch_swiglu_packed_fwd_fp8(gate_up, weights, act_id, alpha,
+                                                           limit, layout_id)
+    else:
+        (q, scale), _ = _pf.swiglu_packed_fwd_fp8(gate_up, weights, act_id=act_id, alpha=alpha,
+                                                  limit=limit, layout_id=layout_id)
+    return q.contiguous(), scale
+
+
+@swiglu_packed_fwd_fp8_op.register_fake
+def _(gate_up, weights, act_id, alpha, limit, layout_id):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    n, i = gate_up.shape[0], gate_up.shape[1] // 2
+    return (gate_up.new_empty((n, i), dtype=_pf.FP8_DTYPE),
+            gate_up.new_empty((n,), dtype=torch.float32))
+
+
+@_custom_op("swiglu_packed_bwd_fp8")
+def swiglu_packed_bwd_fp8_op(gate_up: torch.Tensor, weights: torch.Tensor | None,
+                             dh: torch.Tensor, act_id: int, alpha: float, limit: float,
+                             layout_id: int, need_weights: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    if use_triton(gate_up):
+        from . import activation
+
+        dgu, (q, scale), dw = activation.launch_swiglu_packed_bwd_fp8(
+            gate_up, weights, dh, act_id, alpha, limit, layout_id, need_weights)
+    else:
+        res = _pa.SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
+        dgu, (q, scale), dw = _pf.swiglu_packed_bwd_fp8(res, dh, needs=(True, need_weights))
+    return (dgu.contiguous(), q.contiguous(), scale,
+            _fresh(dw if need_weights else None, gate_up, _dw_dtype(weights, gate_up)))
+
+
+@swiglu_packed_bwd_fp8_op.register_fake
+def _(gate_up, weights, dh, act_id, alpha, limit, layout_id, need_weights):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    if weights is not None and need_weights:
+        dw = weights.new_empty(weights.shape)
+    else:
+        dw = _empty(gate_up, _dw_dtype(weights, gate_up))
+    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape,
+                                                                dtype=_pf.FP8_DTYPE),
+            gate_up.new_empty((gate_up.shape[0],), dtype=torch.float32), dw)

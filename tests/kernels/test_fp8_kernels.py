@@ -1,6 +1,7 @@
 """The FP8 row kernels against ``moe_fn.pure.fp8``, bit for bit, on the CPU under
 TRITON_INTERPRET=1: the e4m3 rounding against torch's cast, quantise (plain, through an
-index, packed) and dequantise against the pure functions.
+index, packed) and dequantise against the pure functions, and the activation kernels with
+their quantisation fused in against quantising what the bf16 kernels write.
 
 NaN bytes are compared as one value: a row holding inf or NaN has a NaN scale and NaN
 bytes, whose sign in the pure path is the CPU's NaN propagation (``-nan / s`` keeps the
@@ -19,6 +20,7 @@ import moe_fn.kernels as ops  # noqa: E402
 from moe_fn.kernels import activation as KA  # noqa: E402
 from moe_fn.kernels import fp8 as KF  # noqa: E402
 from moe_fn.kernels.fp8 import _e4m3_bytes, _round_e4m3  # noqa: E402
+from moe_fn.pure import activations as PA  # noqa: E402
 from moe_fn.pure import fp8 as PF  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -235,7 +237,123 @@ def test_dequantize_rows_matches_pure(dtype):
                      PF.dequantize_rows(view, dtype))
 
 
+# ----------------------------------------------------------------------------- activation
+
+
+def _consts(act):
+    return PA.resolve_activation(act, limit=2.0 if act in ("swiglu_clamped", "swiglu_oai")
+                                 else None)
+
+
+def _act_inputs(n, i, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gu = torch.randn(n, 2 * i, generator=gen) * 3
+    gu[1] = 0.0  # a row of zeros: h = 0 and d_gate_up = 0
+    gu[2] *= 40.0  # larger than its neighbours: another scale
+    w = torch.rand(n, generator=gen) + 0.25
+    dh = torch.randn(n, i, generator=gen)
+    return gu.to(dtype), w.to(dtype), dh.to(dtype)
+
+
+def _make(gu, form):
+    if form == "rowslice":
+        big = torch.zeros(gu.shape[0], gu.shape[1] + 5, dtype=gu.dtype)
+        big[:, 2:2 + gu.shape[1]] = gu
+        return big[:, 2:2 + gu.shape[1]]
+    if form == "transposed":
+        return gu.t().contiguous().t()
+    return gu
+
+
+def _check_act_fp8(gu, w, dh, act, layout_id, need_w=True, rereads=(False, True)):
+    """The fused kernels' FP8 rows are quantize_rows of what the bf16 kernels write; the
+    backward's d_gate_up and d_weights are the bf16 kernel's bits."""
+    act_id, alpha, limit = _consts(act)
+    h = KA.launch_swiglu_packed_fwd(gu, w, act_id, alpha, limit, layout_id)
+    assert_same_rows(KA.launch_swiglu_packed_fwd_fp8(gu, w, act_id, alpha, limit, layout_id),
+                     PF.quantize_rows(h))
+    dgu, dw = KA.launch_swiglu_packed_bwd(gu, w, dh, act_id, alpha, limit, layout_id,
+                                          (True, need_w))
+    for reread in rereads:  # the second pass recomputes, or reads back d_gate_up
+        dgu8, rows, dw8 = KA.launch_swiglu_packed_bwd_fp8(gu, w, dh, act_id, alpha, limit,
+                                                          layout_id, need_w, reread=reread)
+        assert dgu8.is_contiguous()
+        assert_same_bits(dgu8, dgu)
+        assert_same_rows(rows, PF.quantize_rows(dgu))
+        assert (dw8 is None) == (dw is None)
+        if dw is not None:
+            assert_same_bits(dw8, dw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", PA.ACTIVATIONS)
+@pytest.mark.parametrize("layout", PA.LAYOUTS)
+@pytest.mark.parametrize("with_w", [False, True])
+def test_activation_fp8_matches_quantized_kernel_output(dtype, act, layout, with_w):
+    """Odd N (13), I = 37 (not a power of two, past one column block). The backward's
+    read-back pass does not depend on the activation: two of them check it."""
+    _interp_required()
+    gu, w, dh = _act_inputs(13, 37, dtype)
+    _check_act_fp8(gu, w if with_w else None, dh, act, PA.resolve_layout(layout),
+                   rereads=(False, True) if act in ("swiglu", "swiglu_oai") else (False,))
+
+
+@pytest.mark.parametrize("layout", PA.LAYOUTS)
+@pytest.mark.parametrize("form", ["rowslice", "transposed"])
+def test_activation_fp8_strided_inputs(layout, form):
+    """Row-sliced and column-strided gate_up (the unpaired interleaved reads), a
+    column-strided dh, d_weights not wanted."""
+    _interp_required()
+    gu, w, dh = _act_inputs(9, 21, torch.bfloat16, seed=1)
+    _check_act_fp8(_make(gu, form), w, dh.t().contiguous().t(), "swiglu_oai",
+                   PA.resolve_layout(layout), need_w=form == "rowslice")
+
+
+def test_activation_fp8_nonfinite_and_empty():
+    """A row with inf gets a NaN scale and NaN bytes; empty row sets and zero widths give
+    the shapes (and the zero row's scale) of the pure functions."""
+    _interp_required()
+    gu, w, dh = _act_inputs(6, 20, torch.bfloat16, seed=2)
+    gu[3, 4] = float("inf")
+    gu[4, 30] = float("nan")
+    for layout_id in (0, 1):
+        _check_act_fp8(gu, w, dh, "swiglu", layout_id)
+        r = KA.launch_swiglu_packed_fwd_fp8(gu, w, 0, 0.0, 0.0, layout_id)
+        assert r.scale[3:5].isnan().all() and r.scale[:3].isfinite().all()
+    for n, i in ((0, 8), (5, 0)):
+        gu, w, dh = _act_inputs(max(n, 3), max(i, 1), torch.bfloat16)
+        gu, w, dh = gu[:n, :2 * i], w[:n], dh[:n, :i]
+        for layout_id in (0, 1):
+            _check_act_fp8(gu, w, dh, "swiglu", layout_id)
+            want, _ = PF.swiglu_packed_fwd_fp8(gu, w, act_id=0, alpha=0.0, limit=0.0,
+                                               layout_id=layout_id)
+            assert_same_rows(KA.launch_swiglu_packed_fwd_fp8(gu, w, 0, 0.0, 0.0, layout_id),
+                             want)
+
+
 # ----------------------------------------------------------------------------- the ops
+
+
+@pytest.mark.parametrize("act", PA.ACTIVATIONS)
+@pytest.mark.parametrize("layout", PA.LAYOUTS)
+def test_cpu_path_is_the_pure_composition(act, layout):
+    """On CPU tensors the wrappers are the pure twins: quantize_rows of the pure
+    activation's output and of its d_gate_up, with the pure d_weights."""
+    act_id, alpha, limit = _consts(act)
+    layout_id = PA.resolve_layout(layout)
+    gu, w, dh = _act_inputs(7, 6, torch.bfloat16, seed=4)
+    kw = dict(act_id=act_id, alpha=alpha, limit=limit, layout_id=layout_id)
+    rows, res = ops.swiglu_packed_fwd_fp8(gu, w, **kw)
+    h, pres = PA.swiglu_packed_fwd(gu, w, **kw)
+    assert type(res) is type(pres) and res.gate_up is gu and res.weights is w
+    assert res[2:] == pres[2:]
+    assert_same_rows(rows, PF.quantize_rows(h))
+    dgu, drows, dw = ops.swiglu_packed_bwd_fp8(res, dh)
+    pdgu, pdw = PA.swiglu_packed_bwd(pres, dh)
+    assert torch.equal(dgu, pdgu) and torch.equal(dw, pdw)
+    assert_same_rows(drows, PF.quantize_rows(pdgu))
+    assert ops.swiglu_packed_bwd_fp8(res, dh, needs=(True, False))[2] is None
+    assert ops.swiglu_packed_bwd_fp8(res._replace(weights=None), dh)[2] is None
 
 
 def test_cpu_path_rows():
@@ -269,6 +387,15 @@ def test_bad_input_is_refused_with_the_fix():
         ops.dequantize_rows(PF.Fp8Rows(rows.q, rows.scale[:3]), torch.float32)
     with pytest.raises(TypeError, match="floating torch.dtype"):
         ops.dequantize_rows(rows, torch.int32)
+    gu, w, dh = _act_inputs(4, 3, torch.float32)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        ops.swiglu_packed_fwd_fp8(gu.double(), None, act_id=0, alpha=0.0, limit=0.0,
+                                  layout_id=0)
+    _, res = ops.swiglu_packed_fwd_fp8(gu, w, act_id=0, alpha=0.0, limit=0.0, layout_id=0)
+    with pytest.raises(ValueError, match=r"needs=\(False, True\)"):
+        ops.swiglu_packed_bwd_fp8(res, dh, needs=(False, True))
+    with pytest.raises(ValueError, match="incoming gradient"):
+        ops.swiglu_packed_bwd_fp8(res, dh[:, :2])
     if KA.interpreting():
         with pytest.raises(ValueError, match="D % 16 == 0"):
             KF.launch_quantize_rows_packed(x)
@@ -288,3 +415,15 @@ def test_cuda_kernels_match_pure():
     rows = PF.quantize_rows(x)
     assert_same_bits(ops.dequantize_rows(rows, torch.bfloat16),
                      PF.dequantize_rows(rows, torch.bfloat16))
+    gu = (torch.randn(1031, 2 * 768, device="cuda") * 3).bfloat16()
+    w = torch.rand(1031, device="cuda").bfloat16()
+    dh = torch.randn(1031, 768, device="cuda").bfloat16()
+    for layout_id in (0, 1):
+        kw = dict(act_id=2, alpha=1.702, limit=7.0, layout_id=layout_id)
+        h, res = ops.swiglu_packed_fwd(gu, w, **kw)
+        assert_same_rows(ops.swiglu_packed_fwd_fp8(gu, w, **kw)[0], PF.quantize_rows(h))
+        dgu, dw = ops.swiglu_packed_bwd(res, dh)
+        dgu8, drows, dw8 = ops.swiglu_packed_bwd_fp8(res, dh)
+        assert torch.equal(dgu8, dgu)
+        assert_same_rows(drows, PF.quantize_rows(dgu8))
+        torch.testing.assert_close(dw8, dw)

@@ -13,7 +13,6 @@ from .. import kernels
 from .._checks import debug_checks
 from ..pure.activations import SwigluPackedRes, SwigluRes
 from ..pure.experts import ExpertsRes, experts_bwd, experts_bwd_input, experts_fwd
-from ..pure.experts_fp8 import PURE as _PURE_FP8
 from ..pure.experts_fp8 import (
     ExpertsFp8Res,
     experts_fp8_bwd,
@@ -25,8 +24,9 @@ from ..pure.grouped import GroupedLinearRes, grouped_linear_bwd, grouped_linear_
 from ..pure.row_weight import RowWeightRes
 from ._common import refuse_double_backward
 
-# FIXME(merge): the FP8 kernels land in moe_fn.kernels; until then the pure twins.
-FP8_IMPL = kernels if hasattr(kernels, "quantize_rows_packed") else _PURE_FP8
+# What the FP8 shells quantise with: CUDA tensors through the Triton kernels, others the
+# pure twins (moe_fn.kernels dispatches by device).
+FP8_IMPL = kernels
 
 
 class GroupedLinear(torch.autograd.Function):

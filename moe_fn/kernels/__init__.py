@@ -11,11 +11,17 @@ an exchange's buffer) where the pure one takes ``out_dtype=``, and
 three values.
 
 Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd``,
-``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``.
+``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``, and the FP8
+rows of ``moe_fn.pure.fp8`` (same bits as the pure functions): ``quantize_rows`` and
+``quantize_rows_packed`` (rows read through an index or not: the FP8 dispatch's gather and
+quantisation in one pass), ``dequantize_rows``, and the packed activation with its
+quantisation fused in, ``swiglu_packed_fwd_fp8`` (the FP8 rows of ``swiglu_packed_fwd``'s
+output) and ``swiglu_packed_bwd_fp8`` (``d_gate_up`` and its FP8 rows in one kernel).
 ``router_fwd`` and ``router_linear_fwd`` (the router's linear and its routing in one launch)
 are plain functions (no custom op): their Triton kernel runs in eager mode only. The
 explicit Triton launchers (any device; CPU under ``TRITON_INTERPRET=1``) are
-``moe_fn.kernels.activation.launch_*`` and ``moe_fn.kernels.row_weight.launch_*``.
+``moe_fn.kernels.activation.launch_*``, ``moe_fn.kernels.fp8.launch_*`` and
+``moe_fn.kernels.row_weight.launch_*``.
 ``layout`` and ``layout_with_tokens`` are plain functions too: two or three Triton launches
 for CUDA ``topk_idx`` in eager mode (``moe_fn.kernels.dispatch_layout.launch_layout``), the
 pure ``layout`` elsewhere; so are the exchanges' layout halves around their host sync,
@@ -30,10 +36,12 @@ import sys
 import torch
 
 from ..pure import dispatch as _pure_dispatch
+from ..pure import fp8 as _pure_fp8
 from ..pure import peer_layout as _pure_peer_layout
 from ..pure import router as _pure_router
 from ..pure import row_weight as _pure_row_weight
 from ..pure.activations import SwigluPackedRes, SwigluRes
+from ..pure.fp8 import Fp8Rows
 from ..pure.row_weight import RowWeightRes
 from . import _registry
 from ._registry import use_triton
@@ -41,6 +49,12 @@ from .dispatch_layout import launch_layout as _launch_layout
 from .router import groups_supported, launch_router_fwd, launch_router_linear_fwd, linear_supported
 
 __all__ = [
+    "Fp8Rows",
+    "dequantize_rows",
+    "quantize_rows",
+    "quantize_rows_packed",
+    "swiglu_packed_bwd_fp8",
+    "swiglu_packed_fwd_fp8",
     "gather_row_weight_bwd",
     "gather_sum_fwd",
     "gather_sum_own",
@@ -108,6 +122,46 @@ def swiglu_packed_bwd(res: SwigluPackedRes, dh, *, needs=(True, True)):
                                      res.limit, res.layout_id, bool(needs[0]), bool(needs[1]))
     return (dgu if needs[0] else None,
             dw if (needs[1] and res.weights is not None) else None)
+
+
+def quantize_rows(x: torch.Tensor, index: torch.Tensor | None = None) -> Fp8Rows:
+    """``moe_fn.pure.fp8.quantize_rows``: ``x (T, D)`` float16/bfloat16/float32, rows
+    ``x[index]`` when given, into ``Fp8Rows(q (n, D) e4m3, scale (n,) float32)`` in one
+    Triton pass for CUDA tensors."""
+    q, scale = _op("quantize_rows")(x, index)
+    return Fp8Rows(q, scale)
+
+
+def quantize_rows_packed(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_fn.pure.fp8.quantize_rows_packed``: ``(n, D + 16)`` uint8 rows (e4m3 bytes,
+    the float32 scale, 12 zero bytes); ``D % 16 == 0``."""
+    return _op("quantize_rows_packed")(x, index)
+
+
+def dequantize_rows(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
+    """``moe_fn.pure.fp8.dequantize_rows``: ``q * scale`` in ``dtype``; ``rows.q`` may be a
+    row-strided view (of packed rows)."""
+    _pure_fp8.check_fp8_rows(rows)
+    return _op("dequantize_rows")(rows.q.view(torch.uint8), rows.scale, dtype)
+
+
+def swiglu_packed_fwd_fp8(gate_up, weights=None, *, act_id: int, alpha: float, limit: float,
+                          layout_id: int):
+    """``(quantize_rows(h), res)`` of ``swiglu_packed_fwd`` in one kernel: the FP8 rows
+    are the same bits as quantising the ``h`` that ``swiglu_packed_fwd`` returns."""
+    q, scale = _op("swiglu_packed_fwd_fp8")(gate_up, weights, act_id, alpha, limit, layout_id)
+    return Fp8Rows(q, scale), SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
+
+
+# The derivative is swiglu_packed_bwd's; the FP8 rows are those of its d_gate_up.
+def swiglu_packed_bwd_fp8(res, dh, *, needs=(True, True)):
+    """``(d_gate_up, quantize_rows(d_gate_up), d_weights)`` of ``swiglu_packed_bwd`` in
+    one kernel; ``d_weights`` is None without weights or ``needs[1]``."""
+    _pure_fp8.check_fp8_bwd_needs(needs)
+    dgu, q, scale, dw = _op("swiglu_packed_bwd_fp8")(res.gate_up, res.weights, dh, res.act_id,
+                                                     res.alpha, res.limit, res.layout_id,
+                                                     bool(needs[1]))
+    return dgu, Fp8Rows(q, scale), (dw if (needs[1] and res.weights is not None) else None)
 
 
 def row_weight_fwd(rows, weights):

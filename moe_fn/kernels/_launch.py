@@ -19,6 +19,7 @@ turns it off (benchmarks compare the two).
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
@@ -36,6 +37,11 @@ ENABLED = env_flag("MOE_FN_FAST_LAUNCH", True)
 _CACHE: dict = {}
 _I32 = 2**31
 _I64 = 2**63
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (kernels on CPU tensors) instead of compiling."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from ..pure import activations as _pa
 from ..pure import dispatch as _pd
+from ..pure import fp8 as _pf
 from ..pure import row_weight as _pr
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -245,3 +246,135 @@ def weighted_gather_sum_op(rows: torch.Tensor, index: torch.Tensor, weights: tor
 @weighted_gather_sum_op.register_fake
 def _(rows, index, weights, top_k):
     return rows.new_empty((index.shape[0] // top_k, rows.shape[1]))
+
+
+# ----------------------------------------------------------------------------- FP8 rows
+
+
+@_custom_op("quantize_rows")
+def quantize_rows_op(x: torch.Tensor, index: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    _pf.check_quantize_args(x, index)
+    if use_triton(x):
+        from . import fp8
+
+        q, scale = fp8.launch_quantize_rows(x, index)
+    else:
+        q, scale = _pf.quantize_rows(x, index)
+    return q.contiguous(), scale
+
+
+@quantize_rows_op.register_fake
+def _(x, index):
+    _pf.check_quantize_args(x, index, values=False)
+    n = x.shape[0] if index is None else index.shape[0]
+    return x.new_empty((n, x.shape[1]), dtype=_pf.FP8_DTYPE), x.new_empty((n,),
+                                                                           dtype=torch.float32)
+
+
+@_custom_op("quantize_rows_packed")
+def quantize_rows_packed_op(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    _pf.check_quantize_args(x, index, packed=True)
+    if use_triton(x):
+        from . import fp8
+
+        return fp8.launch_quantize_rows_packed(x, index)
+    return _pf.quantize_rows_packed(x, index)
+
+
+@quantize_rows_packed_op.register_fake
+def _(x, index):
+    _pf.check_quantize_args(x, index, packed=True, values=False)
+    n = x.shape[0] if index is None else index.shape[0]
+    return x.new_empty((n, x.shape[1] + _pf.PACK_TAIL), dtype=torch.uint8)
+
+
+def _check_dequantize_args(q_bytes, scale, dtype) -> _pf.Fp8Rows:
+    """The op takes the e4m3 rows as their bytes (uint8): ``opcheck``'s schema test
+    compares inputs with ``allclose``, which has no float8 kernel on CPU."""
+    if not isinstance(q_bytes, torch.Tensor) or q_bytes.dtype != torch.uint8:
+        got = q_bytes.dtype if isinstance(q_bytes, torch.Tensor) else type(q_bytes).__name__
+        raise TypeError(f"dequantize_rows takes the e4m3 rows as uint8 bytes (rows.q.view("
+                        f"torch.uint8)), got {got}")
+    rows = _pf.Fp8Rows(q_bytes.view(_pf.FP8_DTYPE), scale)
+    _pf.check_fp8_rows(rows)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize_rows: dtype must be a floating torch.dtype, got {dtype!r}")
+    return rows
+
+
+@_custom_op("dequantize_rows")
+def dequantize_rows_op(q_bytes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    rows = _check_dequantize_args(q_bytes, scale, dtype)
+    if use_triton(scale) and dtype in KERNEL_DTYPES:  # scale: float32 on q's device
+        from . import fp8
+
+        return fp8.launch_dequantize_rows(rows, dtype)
+    return _pf.dequantize_rows(rows, dtype).contiguous()
+
+
+@dequantize_rows_op.register_fake
+def _(q_bytes, scale, dtype):
+    _check_dequantize_args(q_bytes, scale, dtype)
+    return q_bytes.new_empty(q_bytes.shape, dtype=dtype)
+
+
+@_custom_op("swiglu_packed_fwd_fp8")
+def swiglu_packed_fwd_fp8_op(gate_up: torch.Tensor, weights: torch.Tensor | None, act_id: int,
+                             alpha: float, limit: float, layout_id: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    if use_triton(gate_up):
+        from . import activation
+
+        q, scale = activation.launch_swiglu_packed_fwd_fp8(gate_up, weights, act_id, alpha,
+                                                           limit, layout_id)
+    else:
+        (q, scale), _ = _pf.swiglu_packed_fwd_fp8(gate_up, weights, act_id=act_id, alpha=alpha,
+                                                  limit=limit, layout_id=layout_id)
+    return q.contiguous(), scale
+
+
+@swiglu_packed_fwd_fp8_op.register_fake
+def _(gate_up, weights, act_id, alpha, limit, layout_id):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    n, i = gate_up.shape[0], gate_up.shape[1] // 2
+    return (gate_up.new_empty((n, i), dtype=_pf.FP8_DTYPE),
+            gate_up.new_empty((n,), dtype=torch.float32))
+
+
+@_custom_op("swiglu_packed_bwd_fp8")
+def swiglu_packed_bwd_fp8_op(gate_up: torch.Tensor, weights: torch.Tensor | None,
+                             dh: torch.Tensor, act_id: int, alpha: float, limit: float,
+                             layout_id: int, need_weights: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    if use_triton(gate_up):
+        from . import activation
+
+        dgu, (q, scale), dw = activation.launch_swiglu_packed_bwd_fp8(
+            gate_up, weights, dh, act_id, alpha, limit, layout_id, need_weights)
+    else:
+        res = _pa.SwigluPackedRes(gate_up, weights, act_id, alpha, limit, layout_id)
+        dgu, (q, scale), dw = _pf.swiglu_packed_bwd_fp8(res, dh, needs=(True, need_weights))
+    return (dgu.contiguous(), q.contiguous(), scale,
+            _fresh(dw if need_weights else None, gate_up, _dw_dtype(weights, gate_up)))
+
+
+@swiglu_packed_bwd_fp8_op.register_fake
+def _(gate_up, weights, dh, act_id, alpha, limit, layout_id, need_weights):
+    _pa.check_swiglu_packed_args(gate_up, weights)
+    _pf.check_fp8_source("gate_up", gate_up)
+    _check_dh(dh, (gate_up.shape[0], gate_up.shape[1] // 2))
+    if weights is not None and need_weights:
+        dw = weights.new_empty(weights.shape)
+    else:
+        dw = _empty(gate_up, _dw_dtype(weights, gate_up))
+    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape,
+                                                                dtype=_pf.FP8_DTYPE),
+            gate_up.new_empty((gate_up.shape[0],), dtype=torch.float32), dw)

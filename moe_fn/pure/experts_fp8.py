@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .activations import SwigluPackedRes, swiglu_packed_bwd, swiglu_packed_fwd
+from .activations import SwigluPackedRes
 from .experts import _row_bias_sum, expert_of_row
 from .fp8 import (
     Fp8Rows,
@@ -33,6 +33,8 @@ from .fp8 import (
     grouped_mm_fp8,
     quantize_rows,
     quantize_rows_packed,
+    swiglu_packed_bwd_fp8,
+    swiglu_packed_fwd_fp8,
 )
 from .grouped import grouped_linear_dw
 
@@ -63,21 +65,10 @@ def quantize_expert_weights(gate_up_proj, down_proj, impl=None) -> Fp8ExpertWeig
                             quantize(dn.contiguous()), quantize(dn.transpose(1, 2).contiguous()))
 
 
-def _act_fwd_fp8(gate_up, weights=None, *, act_id, alpha, limit, layout_id):
-    h, _ = swiglu_packed_fwd(gate_up, weights, act_id=act_id, alpha=alpha, limit=limit,
-                             layout_id=layout_id)
-    return quantize_rows(h)
-
-
-def _act_bwd_fp8(res: SwigluPackedRes, dh, *, needs=(True, True)):
-    d_gate_up, d_w = swiglu_packed_bwd(res, dh, needs=(True, needs[1]))
-    return d_gate_up, quantize_rows(d_gate_up), d_w
-
-
 PURE = types.SimpleNamespace(quantize_rows=quantize_rows, dequantize_rows=dequantize_rows,
                              quantize_rows_packed=quantize_rows_packed,
-                             swiglu_packed_fwd_fp8=_act_fwd_fp8,
-                             swiglu_packed_bwd_fp8=_act_bwd_fp8)
+                             swiglu_packed_fwd_fp8=swiglu_packed_fwd_fp8,
+                             swiglu_packed_bwd_fp8=swiglu_packed_bwd_fp8)
 
 
 class ExpertsFp8Res(NamedTuple):
@@ -122,8 +113,8 @@ def experts_fp8_fwd(x: Fp8Rows, w: Fp8ExpertWeights, offs, weights=None, gate_up
     gate_up = grouped_mm_fp8(x, w.gate_up, offs, dtype)
     if gate_up_bias is not None:  # in place into the fresh GEMM output
         gate_up = gate_up.add_(gate_up_bias.index_select(0, eid).to(dtype))
-    h = impl.swiglu_packed_fwd_fp8(gate_up, weights, act_id=act_id, alpha=alpha, limit=limit,
-                                   layout_id=layout_id)
+    h, _ = impl.swiglu_packed_fwd_fp8(gate_up, weights, act_id=act_id, alpha=alpha,
+                                      limit=limit, layout_id=layout_id)
     y = grouped_mm_fp8(h, w.down, offs, dtype)
     if down_bias is not None:
         y = y + down_bias.index_select(0, eid).to(dtype)

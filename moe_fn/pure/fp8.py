@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from .._checks import debug_checks
+from . import activations as _act
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Rows of zeros are scaled as if their largest magnitude were this (any scale gives zeros).
@@ -133,3 +136,103 @@ def grouped_mm_fp8(a: Fp8Rows, b: Fp8Rows, offs: torch.Tensor, out_dtype: torch.
         return torch._scaled_grouped_mm(a.q, b.q.transpose(-2, -1), a.scale, b.scale,
                                         offs=offs, out_dtype=out_dtype, use_fast_accum=True)
     return fp8_grouped_mm(a, b, offs, out_dtype)
+
+
+# ----------------------------------------------------------------------------- checks
+
+FP8_SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_fp8_source(name: str, x) -> None:
+    """A tensor the FP8 path quantises: float16, bfloat16 or float32 (float64 would round
+    to float32 before the cast to e4m3, two roundings instead of one)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FP8_SOURCE_DTYPES:
+        raise TypeError(f"{name}: the FP8 path quantises float16, bfloat16 or float32, got "
+                        f"{x.dtype}; cast it first (x.float())")
+
+
+def check_quantize_args(x, index=None, *, packed: bool = False, values: bool = True) -> None:
+    """``quantize_rows``' arguments: ``x (T, D)`` of an FP8 source dtype; ``index (n,)``
+    int32/int64 on x's device with values in ``[0, T)`` (unless ``values`` is False, as in
+    fakes: checked on CPU, and on CUDA under ``moe_fn.set_debug_checks(True)``, where it
+    costs a host sync); for the packed form ``D % 16 == 0``."""
+    check_fp8_source("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, D), got shape {tuple(x.shape)}")
+    if packed and x.shape[1] % PACK_TAIL:
+        raise ValueError(f"packed FP8 rows need D % {PACK_TAIL} == 0 (the float32 scale sits "
+                         f"at byte D of each 16-byte aligned row), got D = {x.shape[1]}; pad "
+                         f"the rows or use quantize_rows")
+    if index is None:
+        return
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in \
+            _INDEX_DTYPES:
+        got = (f"{index.dtype} {tuple(index.shape)}" if isinstance(index, torch.Tensor)
+               else type(index).__name__)
+        raise TypeError(f"index must be a 1-D int32 or int64 tensor of row numbers, got {got}")
+    if index.device != x.device:
+        raise ValueError(f"index must be on x's device {x.device}, got {index.device}")
+    if (values and index.numel() and not torch.compiler.is_compiling()
+            and (index.device.type == "cpu" or debug_checks())):
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise ValueError(f"index values must lie in [0, {x.shape[0]}) (rows of x), got "
+                             f"[{lo}, {hi}]")
+
+
+def check_fp8_rows(rows) -> None:
+    """``rows``: an ``Fp8Rows`` (or pair) of ``q (n, D)`` float8_e4m3fn and ``scale (n,)``
+    float32 on one device."""
+    if not isinstance(rows, tuple) or len(rows) != 2:
+        raise TypeError(f"rows must be Fp8Rows(q, scale), got {type(rows).__name__}")
+    q, scale = rows
+    if not isinstance(q, torch.Tensor) or q.dtype != FP8_DTYPE or q.dim() != 2:
+        got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise TypeError(f"rows.q must be a 2-D float8_e4m3fn tensor, got {got}")
+    if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+            or tuple(scale.shape) != (q.shape[0],)):
+        got = (f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor)
+               else type(scale).__name__)
+        raise TypeError(f"rows.scale must be float32 of shape ({q.shape[0]},) (one scale per "
+                        f"row of q), got {got}")
+    if scale.device != q.device:
+        raise ValueError(f"rows.q and rows.scale must be on one device, got {q.device} and "
+                         f"{scale.device}")
+
+
+# ----------------------------------------------------------------------------- activation
+
+# The activation whose output feeds the FP8 down GEMM, and its backward whose input gradient
+# feeds the FP8 dX GEMM: the bf16 pair's results, quantised. The kernels fuse the
+# quantisation into the pass that produces them (moe_fn.kernels.swiglu_packed_fwd_fp8).
+
+
+def swiglu_packed_fwd_fp8(gate_up, weights=None, *, act_id: int, alpha: float, limit: float,
+                          layout_id: int):
+    """``(quantize_rows(h), res)`` with ``h, res = swiglu_packed_fwd(...)``: ``h`` rounded
+    to gate_up's dtype first, so the FP8 rows are those of the bf16 path's output."""
+    check_fp8_source("gate_up", gate_up)
+    h, res = _act.swiglu_packed_fwd(gate_up, weights, act_id=act_id, alpha=alpha,
+                                    limit=limit, layout_id=layout_id)
+    return quantize_rows(h), res
+
+
+def check_fp8_bwd_needs(needs) -> None:
+    if not needs[0]:
+        raise ValueError("swiglu_packed_bwd_fp8 exists to produce d_gate_up and its FP8 rows; "
+                         "for d_weights alone call swiglu_packed_bwd(res, dh, needs=(False, "
+                         "True))")
+
+
+# The derivative is swiglu_packed_bwd's; the FP8 rows are those of its d_gate_up.
+def swiglu_packed_bwd_fp8(res, dh, *, needs=(True, True)):
+    """``(d_gate_up, quantize_rows(d_gate_up), d_weights)`` of ``swiglu_packed_bwd``:
+    ``d_gate_up (N, 2I)`` in gate_up's dtype and packed layout, its FP8 rows (the dX GEMM's
+    operand), ``d_weights`` or None. ``needs[0]`` must be True."""
+    check_fp8_bwd_needs(needs)
+    check_fp8_source("gate_up", res.gate_up)
+    dgu, dw = _act.swiglu_packed_bwd(res, dh, needs=(True, needs[1]))
+    return dgu, quantize_rows(dgu), dw

@@ -10,6 +10,7 @@ from torch.library import opcheck
 import moe_fn.kernels as ops
 from moe_fn.kernels import _registry
 from moe_fn.pure import activations as pa
+from moe_fn.pure import fp8 as pf
 from moe_fn.pure import row_weight as pr
 from moe_fn.testing import assert_close_to_ref
 from tests.kernels.forcing import force_triton
@@ -50,6 +51,51 @@ def _samples():
                          ids=lambda x: getattr(x, "__name__", None) if callable(x) else "")
 def test_opcheck(op, args):
     opcheck(op, args)
+
+
+def _fp8_samples():
+    x, gu = _t(6, 32, dtype=torch.bfloat16), _t(5, 14, seed=1)
+    w, dh = _t(5, seed=2).abs(), _t(5, 7, seed=3)
+    idx = torch.tensor([4, 0, 0, 2])
+    rows = pf.quantize_rows(x)
+    packed = pf.quantize_rows_packed(x)
+    yield OPS.quantize_rows.default, (x, None)
+    yield OPS.quantize_rows.default, (gu, idx)
+    yield OPS.quantize_rows_packed.default, (x, idx)
+    view = pf.unpack_rows_fp8(packed, 32)
+    yield OPS.dequantize_rows.default, (rows.q.view(torch.uint8), rows.scale, torch.bfloat16)
+    yield OPS.dequantize_rows.default, (view.q.view(torch.uint8), view.scale, torch.float32)
+    yield OPS.swiglu_packed_fwd_fp8.default, (gu, w, *OAI, 1)
+    yield OPS.swiglu_packed_fwd_fp8.default, (gu.bfloat16(), None, 0, 0.0, 0.0, 0)
+    yield OPS.swiglu_packed_bwd_fp8.default, (gu, w, dh, *OAI, 0, True)
+    yield OPS.swiglu_packed_bwd_fp8.default, (gu, None, dh, 3, 0.0, 0.0, 1, True)
+
+
+@pytest.mark.parametrize("op,args", list(_fp8_samples()),
+                         ids=lambda x: getattr(x, "__name__", None) if callable(x) else "")
+def test_opcheck_fp8(op, args):
+    opcheck(op, args)
+
+
+def test_compile_fullgraph_fp8():
+    x, gu, w, dh = _t(6, 16), _t(6, 10, seed=1), _t(6, seed=2).abs(), _t(6, 5, seed=3)
+    idx = torch.tensor([1, 4, 4])
+
+    def step(x, idx, gu, w, dh):
+        rows = ops.quantize_rows(x, idx)
+        packed = ops.quantize_rows_packed(x)
+        back = ops.dequantize_rows(rows, torch.bfloat16)
+        hq, res = ops.swiglu_packed_fwd_fp8(gu, w, act_id=OAI[0], alpha=OAI[1], limit=OAI[2],
+                                            layout_id=1)
+        dgu, dq, dw = ops.swiglu_packed_bwd_fp8(res, dh)
+        return (*rows, packed, back, *hq, dgu, *dq, dw)
+
+    eager = step(x, idx, gu, w, dh)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, idx, gu, w, dh)
+    for a, b in zip(eager, compiled, strict=True):
+        assert a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == pf.FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == pf.FP8_DTYPE else b)
 
 
 def test_opcheck_empty():
@@ -152,6 +198,37 @@ def test_wrapper_signatures_match_pure():
                  "row_weight_fwd", "row_weight_bwd"):
         mod = pr if name.startswith("row") else pa
         assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(mod, name)), name
+    for name in ("quantize_rows", "quantize_rows_packed", "dequantize_rows",
+                 "swiglu_packed_fwd_fp8", "swiglu_packed_bwd_fp8"):
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(pf, name)), name
+        assert name in ops.__all__, name
+
+
+def test_fp8_wrappers_triton_path(monkeypatch):
+    """The FP8 ops' Triton branch (normally CUDA only), forced on CPU under the
+    interpreter: the pure functions' bits, and for the activations quantize_rows of the
+    bf16 ops' results through the same branch."""
+    calls = force_triton(monkeypatch, _registry)
+    x, idx = _t(7, 32, dtype=torch.bfloat16), torch.tensor([6, 1, 1])
+    rows = ops.quantize_rows(x, idx)
+    want = pf.quantize_rows(x, idx)
+    assert torch.equal(rows.q.view(torch.uint8), want.q.view(torch.uint8))
+    assert torch.equal(rows.scale, want.scale)
+    assert torch.equal(ops.quantize_rows_packed(x, idx), pf.quantize_rows_packed(x, idx))
+    assert torch.equal(ops.dequantize_rows(want, torch.float32),
+                       pf.dequantize_rows(want, torch.float32))
+    gu, w, dh = _t(9, 14, seed=1), _t(9, seed=2).abs(), _t(9, 7, seed=3)
+    for layout_id in (0, 1):
+        kw = dict(act_id=OAI[0], alpha=OAI[1], limit=OAI[2], layout_id=layout_id)
+        h, res = ops.swiglu_packed_fwd(gu, w, **kw)
+        hq, res8 = ops.swiglu_packed_fwd_fp8(gu, w, **kw)
+        assert torch.equal(hq.q.view(torch.uint8), pf.quantize_rows(h).q.view(torch.uint8))
+        assert torch.equal(hq.scale, pf.quantize_rows(h).scale)
+        dgu, dw = ops.swiglu_packed_bwd(res, dh)
+        dgu8, dq, dw8 = ops.swiglu_packed_bwd_fp8(res8, dh)
+        assert torch.equal(dgu8, dgu) and torch.equal(dw8, dw)
+        assert torch.equal(dq.q.view(torch.uint8), pf.quantize_rows(dgu).q.view(torch.uint8))
+    assert calls
 
 
 def test_ops_reject_bad_shapes():

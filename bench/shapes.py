@@ -61,6 +61,9 @@ DEEPSEEK = dict(score_func="sigmoid", norm_topk_prob=True, n_group=8, topk_group
 
 QWEN3 = Model("qwen3-30b-a3b", 2048, 768, 128, 8, SOFTMAX, local_experts=16,
               expert_rows=131072)
+# The experts of the one-GPU Qwen3-30B-A3B layer at 8192 tokens: all 128, 65,536 rows.
+QWEN3_ONE_GPU = Model("qwen3-30b-a3b-e128", 2048, 768, 128, 8, SOFTMAX, local_experts=128,
+                      expert_rows=65536)
 MIXTRAL = Model("mixtral-8x7b", 4096, 14336, 8, 2, SOFTMAX, local_experts=8,
                 expert_rows=16384)
 DEEPSEEK_V3 = Model("deepseek-v3", 7168, 2048, 256, 8, DEEPSEEK, local_experts=32,
@@ -77,11 +80,14 @@ SMALL_GROUPED = Model("small-grouped", 256, 128, 32, 4,
 
 if HAS_CUDA:
     KERNEL_MODELS = (QWEN3, MIXTRAL, DEEPSEEK_V3)
+    # The expert MLP also at the one-GPU layer's shape, where FP8 gains least.
+    EXPERT_MODELS = (*KERNEL_MODELS, QWEN3_ONE_GPU)
     LAYER_MODELS = (*(QWEN3.with_tokens(t) for t in (2048, 4096, 8192, 16384)), MIXTRAL,
                     DEEPSEEK_V3_RANK)
     CHECKPOINT_MODELS = (QWEN3,)
 else:
     KERNEL_MODELS = (SMALL, SMALL_GROUPED)
+    EXPERT_MODELS = KERNEL_MODELS
     LAYER_MODELS = (SMALL, SMALL_GROUPED)
     CHECKPOINT_MODELS = (SMALL,)
 
@@ -102,7 +108,7 @@ def get(name: str) -> Model:
     return _BY_NAME[name]
 
 
-_BY_NAME = {m.name: m for m in (*KERNEL_MODELS, *LAYER_MODELS, *CHECKPOINT_MODELS)}
+_BY_NAME = {m.name: m for m in (*EXPERT_MODELS, *LAYER_MODELS, *CHECKPOINT_MODELS)}
 
 
 def layer_flops(model: Model) -> int:

@@ -20,13 +20,13 @@ import torch
 
 from bench import harness, plain, shapes
 from bench.harness import CLOCK
-from bench.shapes import KERNEL_MODELS, names
+from bench.shapes import EXPERT_MODELS, KERNEL_MODELS, names
 from moe_fn import functional
 from moe_fn.autograd.fp8_cache import Fp8WeightCache
 
 LINEAR_ARMS = ("moe_fn", "torch")
 MLP_ARMS = ("moe_fn", "moe_fn-separate", "moe_fn-fp8", "torch", "transformers", "torchao-fp8")
-CASES = [(m, "uniform") for m in names(KERNEL_MODELS)] + [(KERNEL_MODELS[0].name, "skewed")]
+CASES = [(m, "uniform") for m in names(EXPERT_MODELS)] + [(KERNEL_MODELS[0].name, "skewed")]
 _inputs = harness.Latest()
 
 

@@ -86,7 +86,7 @@ def test_experts_in_fp8_against_float64():
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
 
     def results(f, dt, dev):
-        leaves = [t.to(dev, dt).requires_grad_() for t in (x, gu, dn, w)]
+        leaves = [t.detach().to(dev, dt).requires_grad_() for t in (x, gu, dn, w)]
         y = f(*leaves)
         y.backward(dy.to(dev, dt))
         return [y.detach().double().cpu()] + [t.grad.double().cpu() for t in leaves]
@@ -133,7 +133,7 @@ def test_layer_in_fp8_against_float64(kw):
         p = params._replace(**{k: v.detach().to(dev, dt).requires_grad_()
                                for k, v in params._asdict().items()
                                if isinstance(v, torch.Tensor) and k != "score_correction_bias"})
-        xx = x.to(dev, dt).requires_grad_()
+        xx = x.detach().to(dev, dt).requires_grad_()
         res = reference_moe(xx, p, cfg, fp8=fp8, topk_idx=route.to(dev))
         (res.out.float() * dy.to(dev, dt).float()).sum().backward()
         return [res.out.detach(), res.logits.detach(), xx.grad, p.down_proj.grad,

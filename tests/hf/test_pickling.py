@@ -13,14 +13,15 @@ import torch
 
 from moe_fn.hf import convert, converted_blocks
 from moe_fn.hf.aux_loss import AuxLossHooks
+from tests.dist_utils import run_distributed
 from tests.hf.models import SUPPORTED, batch, make_model, preset_of, preset_params
 from tests.round_trips import ROUND_TRIPS, assert_owns_its_tensors, assert_same_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable:FutureWarning")
 
 
-def _converted(name, ckpt):
-    model = convert(make_model(name), skip_recompute_combine=ckpt)
+def _converted(name, ckpt, **options):
+    model = convert(make_model(name), skip_recompute_combine=ckpt, **options)
     model.train()
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -31,13 +32,13 @@ def _converted(name, ckpt):
     return model
 
 
-def _step(model, *, capture: bool):
+def _step(model, *, capture: bool, seed=0):
     """One forward (labels; the router logits and transformers' loss with ``capture``) and
     backward: what it computed. Capturing installs transformers' output-capture hooks,
     local functions that no pickle takes (in its unconverted models alike), so the step
     before a round trip does not capture."""
     model.zero_grad(set_to_none=True)
-    ids, labels = batch()
+    ids, labels = batch(seed)
     torch.manual_seed(3)  # Mixtral's and MiniMax-M2's jitter, where it is on
     out = model(input_ids=ids, labels=labels, output_router_logits=capture, use_cache=False)
     out.loss.backward()
@@ -128,3 +129,22 @@ def test_a_deep_copy_of_a_block_alone_keeps_its_layer_on_its_own_parameters():
     x = torch.randn(2, 3, block.moe_layer.config.hidden_size,
                     generator=torch.Generator().manual_seed(0))
     assert torch.equal(twin(x), block(x)), name
+
+
+def _ep_body(rank, world):
+    model = _converted("qwen3_moe", False, ep_size=world)  # on the default group
+    _step(model, capture=False, seed=rank)
+    copies = {trip: round_trip(model) for trip, round_trip in ROUND_TRIPS.items()}
+    want = _step(model, capture=True, seed=rank)
+    for trip, copied in copies.items():
+        layer = converted_blocks(copied)[0][1].moe_layer
+        assert (layer.ep_rank, layer.config.ep_size) == (rank, world), trip
+        assert_same_tensors(_step(copied, capture=True, seed=rank), want,
+                            f"rank {rank} after {trip}")
+
+
+@pytest.mark.multiproc
+def test_an_expert_parallel_converted_model_round_trips_on_each_rank():
+    """Each rank's model (its experts' slice, the exchange over the default group) copies
+    and loads on its rank and trains as the original, collectives included."""
+    run_distributed(_ep_body, 2)

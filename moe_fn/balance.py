@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._checks import debug_checks
+from .comm.groups import HoldsProcessGroups, check_loaded_group
 from .layer_checks import check_score_correction_bias
 from .pure.activations import compute_dtype
 from .pure.balance import (
@@ -75,9 +76,11 @@ class ExpertLoad:
         return torch.where(mean > 0, last.max() / mean.clamp(min=1e-30) - 1, 0.0)
 
 
-class LayerBalance:
+class LayerBalance(HoldsProcessGroups):
     """One MoELayer's balancing state: the config's losses (``terms`` builds them in a
-    forward), the last values, the expert-load counters and the gradient scale."""
+    forward), the last values, the expert-load counters and the gradient scale. Copies
+    share the group; a pickled one of the default group loads where it has as many
+    ranks (``moe_fn.comm.groups``)."""
 
     def __init__(self, config, group=None):
         self.config = config
@@ -93,6 +96,12 @@ class LayerBalance:
         self.last: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.steps = 0
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.group is not None:  # its size scales the loss: it must be the same
+            check_loaded_group(self.group, size=self.group_size, rank=None,
+                               what="a layer's aux_loss_scope='group' balancing state")
 
     @property
     def active(self) -> bool:

@@ -20,6 +20,7 @@ from .autograd.slot import WeightGradSlot
 from .balance import BalanceLosses, LayerBalance
 from .comm.base import Exchange, Summation
 from .comm.carveout import sm_count
+from .comm.groups import HoldsProcessGroups
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
 from .pure.activations import resolve_layout
@@ -117,7 +118,7 @@ class MoEExperts(nn.Module):
             self.register_parameter("down_proj_bias", None)
 
 
-class MoELayer(nn.Module):
+class MoELayer(HoldsProcessGroups, nn.Module):
     """A Mixture-of-Experts layer mapping ``(..., H)`` to ``(..., H)``.
 
     Rank r of the expert-parallel group (``process_group``, default the world group when
@@ -127,6 +128,11 @@ class MoELayer(nn.Module):
     rows (``Exchange.summation``): at home over the local and all_to_all exchanges (one
     fused pass, nothing extra sent), on the expert side over symm_mem and DeepEP; with
     ``impl="reference"`` they scale the expert rows before a plain-sum combine.
+
+    A layer pickles and ``torch.save``s whole, and copies share its process groups; one
+    holding a group other than the default one is refused by pickle (save its
+    ``state_dict()``), and one of the default group loads on the rank that saved it, in a
+    job of the same size (``moe_fn.comm.groups``).
     """
 
     # Within a forward under torch.autocast: the dtype the layer computes in.

@@ -2,7 +2,8 @@
 
 ``Exchange`` (``base``) is the declared protocol the layer and the autograd shells use;
 ``local``/``all_to_all`` (``sorted_rows``), ``symm_mem`` and ``deepep`` implement it.
-``CommResources`` / ``ResourceRegistry`` (``resources``) own what they keep between moves.
+``CommResources`` / ``ResourceRegistry`` (``resources``) own what they keep between moves;
+``groups`` says how the process groups held by layers and exchanges are copied and pickled.
 """
 
 from .base import Exchange, Gathered, Pending, Summation

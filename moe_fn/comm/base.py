@@ -51,6 +51,7 @@ import torch
 
 from ..pure.dispatch import behind
 from ..records import RoutePlan
+from .groups import HoldsProcessGroups, check_loaded_group
 
 COUNTER_KEYS = ("layout", "dispatch", "cached_dispatch", "combine", "combine_skipped",
                 "dispatch_backward", "combine_backward")
@@ -103,12 +104,16 @@ class Gathered(NamedTuple):
         return rows if self.index is None else rows.index_select(0, self.index)
 
 
-class Exchange(abc.ABC):
+class Exchange(HoldsProcessGroups, abc.ABC):
     """Moves expert rows between the ranks of an expert-parallel group (see the module).
 
     ``backend`` names it as ``MoEConfig.comm_backend`` does; ``summation`` says where its
     combine sums a token's rows. ``resources`` (a ``ResourceRegistry``) owns what its moves
     keep between calls (streams, buffers), shared by every exchange of its group.
+
+    Copies share the group and the registry; a pickled exchange of the default group loads
+    where torch.distributed has a default group of ``ep_size`` ranks, on the rank that
+    saved it (``moe_fn.comm.groups``), and draws on that process's registry.
     """
 
     backend: ClassVar[str]
@@ -125,6 +130,12 @@ class Exchange(abc.ABC):
         self.resources = resources
         self.num_local_experts = num_experts // ep_size
         self.counters: Counter = Counter({k: 0 for k in COUNTER_KEYS})
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.backend != "local":
+            check_loaded_group(self.group, size=self.ep_size, rank=self.rank,
+                               what=f"a {self.backend!r} exchange")
 
     def resources_on(self, device: torch.device):
         """This exchange's group's resources on ``device`` (looked up at every move, so

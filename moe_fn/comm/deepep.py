@@ -71,20 +71,38 @@ class DeepEPExchange(Exchange):
 
     def __init__(self, *, num_experts: int, resources, group=None, hidden_size: int,
                  num_sms: int = 20):
-        self._deep_ep = import_deep_ep()
+        import_deep_ep()  # before anything else: the error says how to get it
         group = group if group is not None else dist.group.WORLD
         ep = dist.get_world_size(group)
         super().__init__(num_experts=num_experts, ep_size=ep, rank=dist.get_rank(group),
                          group=group, resources=resources)
-        self._deep_ep.Buffer.set_num_sms(num_sms)
+        self.hidden_size, self.num_sms = hidden_size, num_sms
+        self._bind()
+
+    def _bind(self) -> None:
+        """DeepEP's module, configs and buffer: made at construction and again when the
+        exchange is copied or loaded (none of them pickles; the buffer is the group's)."""
+        self._deep_ep = import_deep_ep()
+        ep = self.ep_size
+        self._deep_ep.Buffer.set_num_sms(self.num_sms)
         # Cached dispatch and combine must run with the SM count of the original dispatch.
         self.dispatch_config = self._deep_ep.Buffer.get_dispatch_config(ep)
         self.combine_config = self._deep_ep.Buffer.get_combine_config(ep)
-        self.num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_size * 2, ep)
+        self.num_nvl_bytes = max(c.get_nvl_buffer_size_hint(self.hidden_size * 2, ep)
                                  for c in (self.dispatch_config, self.combine_config))
-        # Made (or grown: a collective) now, while every rank builds its layers, not at a
-        # first move that other layers' handles might outlive.
+        # Made (or grown: a collective) now, while every rank builds (or loads) its layers,
+        # not at a first move that other layers' handles might outlive.
         self._buffer_on(_device())
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for key in ("_deep_ep", "dispatch_config", "combine_config"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._bind()
 
     def _buffer_on(self, device):
         return self.resources_on(device).deepep_buffer(self._deep_ep, self.num_nvl_bytes)

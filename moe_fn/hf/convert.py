@@ -14,9 +14,11 @@ How a block is converted (no copies, nothing re-registered):
   views), never a copy. ``.to()``, ``load_state_dict`` and optimizers see HF's
   parameters only.
 - The router's class becomes ``MoeFn<HFRouter>``: called normally it is HF's router; the
-  block calls it once per forward with the MoELayer's logits so that HF's output-capture
-  hooks (``_can_record_outputs`` / ``OutputRecorder`` on the router class) record the same
-  ``router_logits`` (and the aux loss sees them), gradients included.
+  block calls it once per forward with HF's input and the MoELayer's logits so that HF's
+  output-capture hooks (``_can_record_outputs`` / ``OutputRecorder`` on the router class)
+  record the same ``router_logits`` (and the aux loss sees them), gradients included, and
+  while hooks are registered, with the routing weights and expert indices the layer
+  computed, in HF's shapes and dtypes (the preset's ``router_input`` / ``router_output``).
 - The HF decoder layer around a block gets ``moe_fn.replay`` around the checkpoint function
   HF's ``gradient_checkpointing_enable`` gives it (before or after ``convert``): the
   recompute replays the forward's routes and dispatch layouts, honours
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ..config import REMOVED_OPTIONS, MoEConfig, _positive_int
 from ..layer import MoELayer
@@ -175,27 +178,61 @@ class HFMoELayer(MoELayer):
             with torch.no_grad():
                 logits = F.linear(x2, *self.router_params(x2))
                 replay_idx = sorted_topk(logits, self.config.top_k)
-        return super().route(x2, replay_idx)
+        logits, idx, w = super().route(x2, replay_idx)
+        # A list here while the block's router has hooks to read the route (kept by the
+        # block for one call): the expert indices and routing weights the layer computed.
+        routes = self.__dict__.get("_moe_fn_routes")
+        if routes is not None:
+            routes.append((idx, w))
+        return logits, idx, w
 
 
 class _RecordingRouter:
-    """Mixin for the HF router class: a call carrying ``_moe_fn_output`` returns it as is
-    (so forward hooks such as HF's output capture see the MoELayer's logits); any other
+    """Mixin for the HF router class: a call while ``_moe_fn_output`` is set (by the
+    converted block, for that call) returns the output it holds, so that forward hooks
+    (HF's output capture, a user's reader) see what HF's router would return; any other
     call is HF's router."""
 
-    def forward(self, *args, _moe_fn_output=None, **kwargs):
-        if _moe_fn_output is not None:
-            x, output = _moe_fn_output
-            if not args or args[0] is not x:
-                # A forward pre-hook replaced the router's input: HF would route by it.
-                raise RuntimeError(
-                    f"a forward pre-hook on the router ({type(self).__name__}) changed its "
-                    "input; the converted block routes inside its MoELayer, on the block's "
-                    "input, and would ignore the change. Hooks that only read the router's "
-                    "input work; to route on another input, leave this block unconverted "
-                    "(moe_layer_pattern)")
-            return output
-        return super().forward(*args, **kwargs)
+    def forward(self, *args, **kwargs):
+        handed = self.__dict__.pop("_moe_fn_output", None)
+        if handed is None:
+            return super().forward(*args, **kwargs)
+        expected, output = handed
+        if kwargs or len(args) != len(expected) or any(a is not b
+                                                       for a, b in zip(args, expected)):
+            # A forward pre-hook replaced the router's input: HF would route by it.
+            raise RuntimeError(
+                f"a forward pre-hook on the router ({type(self).__name__}) changed its "
+                "input; the converted block routes inside its MoELayer, on the block's "
+                "input, and would ignore the change. Hooks that only read the router's "
+                "input work; to route on another input, leave this block unconverted "
+                "(moe_layer_pattern)")
+        return output
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs forward hooks or pre-hooks (its own or global)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks)
+
+
+class _Written:
+    """What a router's hooks are handed, to tell afterwards whether one wrote into it: the
+    tensors' version counters (values, for inference tensors, which have none)."""
+
+    def __init__(self, tensors):
+        self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        self.seen = [t.clone() if t.is_inference() else t._version for t in self.tensors]
+
+    def any(self) -> bool:
+        for t, seen in zip(self.tensors, self.seen):
+            if not isinstance(seen, torch.Tensor):
+                if t._version != seen:
+                    return True
+            elif not bool(((t == seen) | (t.isnan() & seen.isnan())).all()):
+                return True
+        return False
 
 
 class ConvertedBlock:
@@ -213,6 +250,10 @@ class ConvertedBlock:
     def _moe_fn_routed(self, x: torch.Tensor, return_router_logits: bool = False, *,
                        seq_len=None):
         layer = self.moe_layer
+        preset = self.moe_preset
+        router = getattr(self, preset.router_attr)
+        # Only hooks see the router's call: without any, it costs a call and nothing else.
+        hooked = _has_hooks(router)
         hooks = self.__dict__.get("_moe_fn_aux")
         aux = None if hooks is None else hooks.current
         region = current_region()
@@ -223,35 +264,81 @@ class ConvertedBlock:
         if aux is not None and fresh:
             hooks.check_layer(layer.config)
         layer.__dict__["_moe_fn_terms"] = (AuxLossTerm(aux),) if inject else ()
+        if hooked:
+            layer.__dict__["_moe_fn_routes"] = routes = []
         try:
             out, logits = layer(x, return_router_logits=True, seq_len=seq_len)
         finally:
             layer.__dict__["_moe_fn_terms"] = ()
+            layer.__dict__.pop("_moe_fn_routes", None)
         if aux is not None and fresh:
             if inject and logits.requires_grad:
                 raise RuntimeError("a reentrant checkpoint's forward produced router logits "
                                    "with autograd: transformers' loss would train twice")
             aux.add(logits)
-        # HF's router returns (router_logits, top-k weights, top-k indices), Llama-4's
-        # (scores, logits): output capture records the logits (the preset's router_output
-        # places them). The weights and indices live inside the MoELayer.
-        given = self.moe_preset.router_output(logits)
-        version = logits._version
-        seen = getattr(self, self.moe_preset.router_attr)(x, _moe_fn_output=(x, given))
-        if seen is not given or logits._version != version:
-            # A forward hook replaced (or wrote into) the router's output: HF would route
+        # The router's call: HF's input, and HF's output (router_logits, top-k weights,
+        # top-k indices; Llama-4's scores, logits) with the MoELayer's logits where output
+        # capture records them and, for hooks, the weights and indices the layer computed.
+        if hooked:
+            args = preset.router_input(self, x)
+            given = preset.router_output(logits, *self._moe_fn_route(routes, logits,
+                                                                     args[0], region))
+            written = _Written((*args, *given))
+        else:
+            args, given, written = (x,), preset.router_output(logits), None
+        router.__dict__["_moe_fn_output"] = (args, given)
+        try:
+            seen = router(*args)
+        finally:
+            router.__dict__.pop("_moe_fn_output", None)
+        if seen is not given or (written is not None and written.any()):
+            # A hook replaced (or wrote into) the router's output or input: HF would route
             # by it, but this block has already routed inside its MoELayer.
-            router = getattr(self, self.moe_preset.router_attr)
-            hooks = [getattr(h, "__qualname__", repr(h))
-                     for h in router._forward_hooks.values()]
+            names = [getattr(h, "__qualname__", repr(h))
+                     for h in (*router._forward_pre_hooks.values(),
+                               *router._forward_hooks.values())]
             raise RuntimeError(
-                f"a forward hook on the router ({self.moe_preset.router_attr}: "
-                f"{type(router).__name__}, hooks {hooks or 'global'}) changed its output; the "
-                "converted block routes inside its MoELayer and would ignore the change. "
-                "Hooks that only read the router's output work; to change the routing, "
-                "change the router's weights, or leave this block unconverted "
-                "(moe_layer_pattern)")
+                f"a forward hook on the router ({preset.router_attr}: "
+                f"{type(router).__name__}, hooks {names or 'global'}) changed its output (or "
+                "wrote into its input or output); the converted block routes inside its "
+                "MoELayer and would ignore the change. Hooks that only read the router's "
+                "input and output work; to change the routing, change the router's weights, "
+                "or leave this block unconverted (moe_layer_pattern)")
         return (out, logits) if return_router_logits else out
+
+    def _moe_fn_route(self, routes, logits, router_input, region) -> tuple:
+        """``(weights, indices)`` as HF's router returns them, from the route the layer
+        computed in this call (``routes``) or, in a recompute that does not run the layer
+        (``recompute_in_checkpoint=False``), the one its forward kept here."""
+        c, preset = self.moe_layer.config, self.moe_preset
+        kept = region is not None and not c.recompute_in_checkpoint
+        if routes:
+            idx, w = routes[-1]
+            if kept and not region.replaying and region.grad_at_call:
+                # The recompute returns the forward's outputs: it hands hooks this route.
+                region.__dict__.setdefault("_moe_fn_hf_routes", {}).setdefault(
+                    id(self), []).append((idx, w.detach(), w.requires_grad))
+        else:
+            pending = (region.__dict__.get("_moe_fn_hf_routes", {}).get(id(self))
+                       if kept and region.replaying else None)
+            if not pending:
+                raise RuntimeError(
+                    f"a hook on the router ({preset.router_attr}) was registered between "
+                    "a checkpoint's forward and its recompute: with "
+                    "recompute_in_checkpoint=False the recompute does not route again and "
+                    "the forward kept no route for the hook to read; register hooks on the "
+                    "router before the forward")
+            idx, w, grad = pending.pop(0)
+            # A leaf requiring grad where the forward's weights did, as the layer's kept
+            # outputs: what reads it saves for backward what it saved the first time.
+            w = w.detach().requires_grad_(grad)
+        if not torch.is_grad_enabled():  # as HF's, computed without autograd
+            w = w.detach()
+        if not preset.router_weights_scaled and c.routed_scaling_factor != 1.0:
+            w = w / c.routed_scaling_factor  # HF scales the experts' sum instead
+        dtype = {"logits": logits.dtype, "float32": torch.float32,
+                 "input": router_input.dtype}[preset.router_weights_dtype]
+        return w.to(dtype), idx
 
     def forward(self, hidden_states, *args, **kwargs):
         routed = self._moe_fn_routed

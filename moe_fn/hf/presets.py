@@ -263,15 +263,42 @@ def forward_llama4(block, hidden_states, routed):
     return block.shared_expert(x) + out, logits
 
 
-def router_output_default(logits):
-    """What a converted block hands the HF router's output capture: ``(router_logits,
-    top-k weights, top-k indices)``, the weights and indices living inside the MoELayer."""
-    return logits, None, None
+# --- what HF's router is called with and returns ------------------------------------------
+# A converted block calls its router once per forward so that hooks on it (HF's output
+# capture, a user's reader) see what HF's router sees: the router's input as HF's block
+# passes it, and its output built from what the MoELayer computed (the logits, and, when
+# a hook is registered, the routing weights and expert indices).
 
 
-def router_output_llama4(logits):
-    """Llama-4's router returns ``(router_scores, router_logits)``; capture reads index 1."""
-    return None, logits
+def router_input_tokens(block, x):
+    """The flattened tokens ``(T, H)``, as most blocks pass them."""
+    return (x.reshape(-1, x.shape[-1]),)
+
+
+def router_input_as_given(block, x):
+    """The block's input as it came (DeepSeek, GLM, dots1: the router flattens it)."""
+    return (x,)
+
+
+def router_input_minimax_m2(block, x):
+    """MiniMax-M2: the tokens and the block's score-correction bias."""
+    return x.reshape(-1, x.shape[-1]), block.e_score_correction_bias
+
+
+def router_output_default(logits, weights=None, indices=None):
+    """HF's router output ``(router_logits (T, E), top-k weights (T, k), top-k indices (T,
+    k) int64)``; weights and indices None when no hook will read them."""
+    return logits, weights, indices
+
+
+def router_output_llama4(logits, weights=None, indices=None):
+    """Llama-4's router returns ``(router_scores (T, E), router_logits)``: the scores are
+    each chosen expert's routing weight and 0 elsewhere (HF's sigmoid of -inf); None when
+    no hook will read them. Output capture reads index 1."""
+    if weights is None:
+        return None, logits
+    scores = logits.new_zeros(logits.shape).scatter(1, indices, weights.to(logits.dtype))
+    return scores, logits
 
 
 @attrs.frozen(kw_only=True)
@@ -294,8 +321,14 @@ class Preset:
     ``(block, hidden_states, routed) -> what HF's block returns``. check: None, or
     ``(block) -> None | reason``: a reason refuses that block (before any is converted),
     for a block whose own settings the MoELayer cannot compute (Step-3.7's clamped layers).
-    router_output: ``logits -> the tuple HF's router returns``, with the MoELayer's logits
-    where HF's output capture reads them. choose_on_logits: HF takes the top-k on the raw
+    router_input: ``(block, x) -> the arguments HF's block calls its router with`` (``x``
+    the block's input to its routed experts). router_output: ``(logits, weights, indices)
+    -> the tuple HF's router returns``, with the MoELayer's logits where HF's output capture
+    reads them. router_weights_dtype: the dtype of HF's routing weights: "logits" (cast to
+    the logits' dtype), "float32" or "input" (the router input's, ERNIE-4.5).
+    router_weights_scaled: whether HF's routing weights include ``routed_scaling_factor``
+    (False: MiniMax-M3 and Step-3.7 scale the experts' sum after the fact, and the router's
+    weights are the layer's divided by it). choose_on_logits: HF takes the top-k on the raw
     logits, not on the scores (Llama-4: sigmoid after the choice). derived_options: MoEConfig
     options outside ``DERIVED`` that ``routing`` sets (Llama-4's ``score_apply``), refused
     from the user with ``derived_reason``.
@@ -314,7 +347,11 @@ class Preset:
     router_dtype: str | None = None
     transposed: bool = False
     check: Callable | None = None
+    router_input: Callable = router_input_tokens
     router_output: Callable = router_output_default
+    router_weights_dtype: str = attrs.field(
+        default="logits", validator=attrs.validators.in_(("logits", "float32", "input")))
+    router_weights_scaled: bool = True
     choose_on_logits: bool = False
     derived_options: tuple[str, ...] = ()
     derived_reason: str = ""
@@ -350,6 +387,11 @@ def _p(name, model_types, stem, block, routing, forward, **kw) -> Preset:
                   routing=routing, forward=forward, **kw)
 
 
+# DeepSeek's, GLM's and dots1's routers: logits and weights in float32, on the block's input
+# as it comes.
+_FLOAT32_ROUTER = dict(router_dtype="float32", router_input=router_input_as_given,
+                       router_weights_dtype="float32")
+
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("qwen3_moe", ["qwen3_moe"], "qwen3_moe", "Qwen3MoeSparseMoeBlock", _routing_qwen3,
        forward_plain),
@@ -359,20 +401,22 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
        "Qwen3_5MoeSparseMoeBlock", _routing_normalised, forward_gated_shared,
        min_transformers="5.2.0"),
     _p("mixtral", ["mixtral"], "mixtral", "MixtralSparseMoeBlock", _routing_normalised,
-       forward_jitter),
+       forward_jitter, router_weights_dtype="float32"),
     _p("olmoe", ["olmoe"], "olmoe", "OlmoeSparseMoeBlock", _routing_qwen3, forward_plain),
     _p("deepseek_v2", ["deepseek_v2"], "deepseek_v2", "DeepseekV2Moe", _routing_deepseek_v2,
-       forward_shared, router_dtype="float32"),
+       forward_shared, **_FLOAT32_ROUTER),
     _p("deepseek_v3", ["deepseek_v3"], "deepseek_v3", "DeepseekV3MoE", _routing_deepseek_v3,
-       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+       forward_shared, bias_attr="gate.e_score_correction_bias", **_FLOAT32_ROUTER),
     _p("glm4_moe", ["glm4_moe"], "glm4_moe", "Glm4MoeMoE", _routing_deepseek_v3,
-       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+       forward_shared, bias_attr="gate.e_score_correction_bias", **_FLOAT32_ROUTER),
     _p("minimax_m2", ["minimax_m2"], "minimax_m2", "MiniMaxM2SparseMoeBlock",
        _routing_minimax_m2, forward_jitter, bias_attr="e_score_correction_bias",
-       router_dtype="weight"),
+       router_dtype="weight", router_input=router_input_minimax_m2,
+       router_weights_dtype="float32"),
     _p("minimax_m3", ["minimax_m3_vl", "minimax_m3_vl_text"], "minimax_m3_vl",
        "MiniMaxM3VLSparseMoeBlock", _routing_minimax_m3, forward_shared,
        bias_attr="gate.e_score_correction_bias", router_dtype="weight",
+       router_weights_dtype="float32", router_weights_scaled=False,
        min_transformers="5.15.0"),
     _p("gpt_oss", ["gpt_oss"], "gpt_oss", "GptOssMLP", _routing_gpt_oss, forward_gpt_oss,
        router_attr="router", transposed=True),
@@ -381,23 +425,25 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("qwen3_vl_moe", ["qwen3_vl_moe", "qwen3_vl_moe_text"], "qwen3_vl_moe",
        "Qwen3VLMoeTextSparseMoeBlock", _routing_normalised, forward_plain),
     _p("deepseek_v32", ["deepseek_v32"], "deepseek_v32", "DeepseekV32MoE", _routing_deepseek_v3,
-       forward_shared, bias_attr="gate.e_score_correction_bias", router_dtype="float32",
-       min_transformers="5.11.0"),
+       forward_shared, bias_attr="gate.e_score_correction_bias", min_transformers="5.11.0",
+       **_FLOAT32_ROUTER),
     _p("glm4_moe_lite", ["glm4_moe_lite"], "glm4_moe_lite", "Glm4MoeLiteMoE",
        _routing_deepseek_v3, forward_shared, bias_attr="gate.e_score_correction_bias",
-       router_dtype="float32"),
+       **_FLOAT32_ROUTER),
     _p("dots1", ["dots1"], "dots1", "Dots1MoE", _routing_deepseek_v3, forward_shared,
-       bias_attr="gate.e_score_correction_bias", router_dtype="float32"),
+       bias_attr="gate.e_score_correction_bias", **_FLOAT32_ROUTER),
     _p("ernie4_5_moe", ["ernie4_5_moe"], "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
        _routing_ernie4_5_moe, forward_optional_shared,
-       bias_attr="gate.moe_statics.e_score_correction_bias", router_dtype="float32"),
+       bias_attr="gate.moe_statics.e_score_correction_bias", router_dtype="float32",
+       router_weights_dtype="input"),
     _p("hunyuan_v1_moe", ["hunyuan_v1_moe"], "hunyuan_v1_moe", "HunYuanMoEV1Moe",
        _routing_normalised, forward_shared_mlp, router_weight="wg.weight",
        router_dtype="weight"),
     # Step-3.7's text config says model_type "step3p5" (there is no step3p5 model of its own).
     _p("step3p7", ["step3p7", "step3p5"], "step3p7", "Step3p7SparseMoeBlock",
        _routing_step3p7, forward_shared, bias_attr="gate.e_score_correction_bias",
-       router_dtype="weight", check=_check_step3p7, min_transformers="5.16.0"),
+       router_dtype="weight", router_weights_dtype="float32", router_weights_scaled=False,
+       check=_check_step3p7, min_transformers="5.16.0"),
     # The Llama-4 text model, alone or inside Llama4ForConditionalGeneration. Its MoE block,
     # router and experts read the same in transformers 5.0.0, 5.12.0 and 5.24.0; up to at
     # least 5.12 HF's output capture records the block's output 0 as "router_logits" (not the

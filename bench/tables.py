@@ -198,6 +198,43 @@ def launch(r: Runs) -> list[str]:
     return out
 
 
+# The expert MLP shapes of the FP8 table: one EP8 rank's rows (as in the experts table) and
+# the one-GPU layer's 128 experts.
+FP8_EXPERTS = (("qwen3-30b-a3b", "Qwen3-30B-A3B, 131,072 rows / 16 experts"),
+               ("qwen3-30b-a3b-e128", "Qwen3-30B-A3B, 65,536 rows / 128 experts"),
+               ("mixtral-8x7b", "Mixtral-8x7B, 16,384 / 8"),
+               ("deepseek-v3", "DeepSeek-V3, 65,536 / 32"))
+
+
+def fp8(r: Runs) -> list[str]:
+    out = _header("", "phase", "bf16 (moe_fn default)", "**FP8** (bf16-equivalent TFLOP/s)",
+                  "torchao FP8 rowwise", "transformers `grouped_mm`", "FP8 vs bf16",
+                  "FP8 vs torchao", "FP8 vs transformers")
+    rows = [(f"expert MLP: {label}", "test_experts", dict(model=m, counts="uniform"))
+            for m, label in FP8_EXPERTS]
+    rows += [(f"layer: Qwen3-30B-A3B, {m.split('-t')[-1]} tokens", "test_layer", dict(model=m))
+             for m in LAYER_ROWS if m.startswith("qwen3")]
+    for label, test, params in rows:
+        for phase in ("fwd", "fwd+bwd"):
+            t = {arm: r.median_ms(test, arm=arm, phase=phase, **params)
+                 for arm in ("moe_fn", "moe_fn-fp8", "torchao-fp8", "transformers")}
+            if t["moe_fn"] is None or t["moe_fn-fp8"] is None:
+                continue
+            tf = r.info(test, "tflops", arm="moe_fn-fp8", phase=phase, **params)
+            out.append(_row([label if phase == "fwd" else "", phase, _ms(t["moe_fn"]),
+                             f"**{_ms(t['moe_fn-fp8'])}** ({tf:.0f})", _ms(t["torchao-fp8"]),
+                             _ms(t["transformers"]), _x(t["moe_fn-fp8"], t["moe_fn"]),
+                             _x(t["moe_fn-fp8"], t["torchao-fp8"]),
+                             _x(t["moe_fn-fp8"], t["transformers"])]))
+    for phase in ("fwd", "fwd+bwd"):
+        ratio = r.info("test_layer_fp8_against_default", "paired_ratio",
+                       model="qwen3-30b-a3b-t8192", phase=phase)
+        if ratio is not None:
+            out.append(_row([f"layer, 8192 tokens, paired FP8 / bf16, {phase}", "", "", "",
+                             "", "", f"**{1 / ratio:.3f}×**", "", ""]))
+    return out
+
+
 def provenance(r: Runs) -> list[str]:
     m = r.data["machine_info"]
     first = r.rows[0]["extra_info"] if r.rows else {}
@@ -221,7 +258,8 @@ def provenance(r: Runs) -> list[str]:
 
 TABLES: dict[str, Callable[[Runs], list[str]]] = {
     "provenance": provenance, "layer": layer, "layer-queued": layer_queued,
-    "experts": experts, "kernels": kernels, "checkpoint": checkpoint, "launch": launch,
+    "experts": experts, "fp8": fp8, "kernels": kernels, "checkpoint": checkpoint,
+    "launch": launch,
 }
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table -->)",
                    re.S)

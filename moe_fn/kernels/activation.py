@@ -423,19 +423,20 @@ def one_chunk_blocks(width: int):
 
 
 def _launch(kernel, tuned, n_rows: int, width: int, *args, **meta):
-    if meta.get("FP8"):
-        blocks = one_chunk_blocks(width)
+    if "FP8" in meta:  # the activation kernels (row weighting shares this launcher)
+        blocks = one_chunk_blocks(width) if meta["FP8"] else None
         if blocks is not None:
             block_r, block_c, nw = blocks
             launch(kernel, (cdiv(n_rows, block_r),), *args, **meta, ONE_CHUNK=True,
                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=nw)
             return
+        meta["ONE_CHUNK"] = False
     if _autotune_enabled():
         launch(tuned, lambda m: (cdiv(n_rows, m["BLOCK_R"]),), *args,
-               tune_key=(width,), ONE_CHUNK=False, **meta)
+               tune_key=(width,), **meta)
         return
     block_r, block_c, nw = heuristic_blocks(width)
-    launch(kernel, (cdiv(n_rows, block_r),), *args, **meta, ONE_CHUNK=False, BLOCK_R=block_r,
+    launch(kernel, (cdiv(n_rows, block_r),), *args, **meta, BLOCK_R=block_r,
            BLOCK_C=block_c, num_warps=nw)
 
 

@@ -1,7 +1,10 @@
 """The quantised expert weights of one layer, made once per change of the weights.
 
-An optimizer step writes the parameters in place (their ``_version`` moves); replacing
-``.data`` or a parameter changes the tensor or its storage. The cache keeps one entry, keyed
+An optimizer step writes the parameters in place; replacing ``.data`` or a parameter
+changes the tensor or its storage. A fused optimizer (``torch.optim.AdamW(fused=True)``,
+TorchTitan's default) writes them without moving their ``_version``, so every cache is also
+dropped after any ``torch.optim.Optimizer.step`` (a global step hook, registered with the
+first cache; it holds the live caches weakly and no weights). The cache keeps one entry, keyed
 by the two tensors (held weakly, so a dropped parameter frees its entry; for a view, its
 base), their versions,
 storages, shapes, strides, dtypes and devices: the forward, the checkpoint recompute and the
@@ -18,8 +21,25 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..pure.experts_fp8 import Fp8ExpertWeights, quantize_expert_weights
+
+# The live caches, weakly: what the optimizer step hook invalidates.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_STEP_HOOK = []
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    for cache in list(_LIVE):
+        cache.invalidate()
+
+
+def _watch(cache) -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(
+            _after_optimizer_step))
+    _LIVE.add(cache)
 
 
 def _owner(t: torch.Tensor) -> torch.Tensor:
@@ -44,6 +64,7 @@ class Fp8WeightCache:
         self._key = None
         self._value: Fp8ExpertWeights | None = None
         self.quantizations = 0
+        _watch(self)
 
     def get(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
             impl=None) -> Fp8ExpertWeights:

@@ -14,7 +14,8 @@ Ops: ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_packed_fwd``, ``swiglu_packed_bwd`
 ``row_weight_fwd``, ``row_weight_bwd``, ``gather_sum``, ``weighted_gather_sum``, and the FP8
 rows of ``moe_fn.pure.fp8`` (same bits as the pure functions): ``quantize_rows`` and
 ``quantize_rows_packed`` (rows read through an index or not: the FP8 dispatch's gather and
-quantisation in one pass), ``dequantize_rows``, and the packed activation with its
+quantisation in one pass), ``quantize_rows_t`` (expert weights transposed and quantised in
+one pass), ``dequantize_rows``, and the packed activation with its
 quantisation fused in, ``swiglu_packed_fwd_fp8`` (the FP8 rows of ``swiglu_packed_fwd``'s
 output) and ``swiglu_packed_bwd_fp8`` (``d_gate_up`` and its FP8 rows in one kernel).
 ``router_fwd`` and ``router_linear_fwd`` (the router's linear and its routing in one launch)
@@ -53,6 +54,7 @@ __all__ = [
     "dequantize_rows",
     "quantize_rows",
     "quantize_rows_packed",
+    "quantize_rows_t",
     "swiglu_packed_bwd_fp8",
     "swiglu_packed_fwd_fp8",
     "gather_row_weight_bwd",
@@ -136,6 +138,13 @@ def quantize_rows_packed(x: torch.Tensor, index: torch.Tensor | None = None) -> 
     """``moe_fn.pure.fp8.quantize_rows_packed``: ``(n, D + 16)`` uint8 rows (e4m3 bytes,
     the float32 scale, 12 zero bytes); ``D % 16 == 0``."""
     return _op("quantize_rows_packed")(x, index)
+
+
+def quantize_rows_t(w: torch.Tensor) -> Fp8Rows:
+    """``moe_fn.pure.fp8.quantize_rows_t``: ``w (E, N, K)`` transposed and quantised per row
+    of ``w[e].T`` in one pass, ``Fp8Rows(q (E, K, N), scale (E, K))``."""
+    q, scale = _op("quantize_rows_t")(w)
+    return Fp8Rows(q, scale)
 
 
 def dequantize_rows(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:

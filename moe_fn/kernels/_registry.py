@@ -289,6 +289,26 @@ def _(x, index):
     return x.new_empty((n, x.shape[1] + _pf.PACK_TAIL), dtype=torch.uint8)
 
 
+@_custom_op("quantize_rows_t")
+def quantize_rows_t_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _pf.check_quantize_t_args(w)
+    if use_triton(w):
+        from . import fp8
+
+        q, scale = fp8.launch_quantize_rows_t(w)
+    else:
+        q, scale = _pf.quantize_rows_t(w)
+    return q.contiguous(), scale.contiguous()
+
+
+@quantize_rows_t_op.register_fake
+def _(w):
+    _pf.check_quantize_t_args(w)
+    e, n, k = w.shape
+    return w.new_empty((e, k, n), dtype=_pf.FP8_DTYPE), w.new_empty((e, k),
+                                                                      dtype=torch.float32)
+
+
 def _check_dequantize_args(q_bytes, scale, dtype) -> _pf.Fp8Rows:
     """The op takes the e4m3 rows as their bytes (uint8): ``opcheck``'s schema test
     compares inputs with ``allclose``, which has no float8 kernel on CPU."""

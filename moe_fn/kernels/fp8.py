@@ -141,6 +141,35 @@ def _quantize_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, n, D, s_xr, s_xc, s_qr, s_sr,
 
 
 @triton.jit
+def _quantize_t_kernel(w_ptr, q_ptr, s_ptr, N, K, s_we, s_wn, s_wk,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Expert ``e``'s ``w[e] (N, K)`` transposed into e4m3 rows ``q[e] (K, N)`` with a scale
+    per row ``k`` (over ``N``): a program owns ``BLOCK_K`` columns of ``w``, read along
+    ``K`` (coalesced) in ``(BLOCK_K, BLOCK_N)`` tiles, twice (the amax, then the stores,
+    written along ``N``)."""
+    pid_k = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    ks = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    kmask = ks < K
+    w_cols = w_ptr + e * s_we + ks[:, None] * s_wk
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        m = kmask[:, None] & (ns < N)[None, :]
+        x = tl.load(w_cols + ns[None, :] * s_wn, mask=m, other=0.0)
+        acc = _abs_max(acc, x.to(tl.float32))
+    scale, inv, bad = _pow2_scale(acc)
+    tl.store(s_ptr + e * K + ks, scale, mask=kmask)
+    q_rows = q_ptr + e * K * N + ks[:, None] * N
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        m = kmask[:, None] & (ns < N)[None, :]
+        x = tl.load(w_cols + ns[None, :] * s_wn, mask=m, other=0.0)
+        q = _e4m3_bytes(x.to(tl.float32) * inv[:, None], bad[:, None])
+        tl.store(q_rows + ns[None, :], q, mask=m)
+
+
+@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, D, s_qr, s_qc, s_s, s_or,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
@@ -223,6 +252,25 @@ def launch_quantize_rows_packed(x, index=None, *, out=None, block_r=None, block_
     _quantize(x, index, out, words[:, d // 4:], words.stride(0), True,
               (block_r, block_c, num_warps))
     return out
+
+
+def launch_quantize_rows_t(w, *, block_k=None, block_n=None, num_warps=None):
+    """Triton ``pure.fp8.quantize_rows_t(w)``: ``w (E, N, K)`` (any strides) into ``Fp8Rows(q
+    (E, K, N) contiguous, scale (E, K))`` without a transposed copy."""
+    e, n, k = w.shape
+    q = torch.empty((e, k, n), dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty((e, k), dtype=torch.float32, device=w.device)
+    if q.numel() == 0:
+        return Fp8Rows(q, scale)
+    if interpreting():
+        bk, bn, nw = 4, 32, 4  # small tiles: test widths run the loops and the masks
+    else:
+        bk, bn, nw = 64, 128, 8
+    bk, bn, nw = block_k or bk, block_n or bn, num_warps or nw
+    launch(_quantize_t_kernel, (cdiv(k, bk), e),
+           w, q.view(torch.uint8), scale, n, k, w.stride(0), w.stride(1), w.stride(2),
+           BLOCK_K=bk, BLOCK_N=bn, num_warps=nw)
+    return Fp8Rows(q, scale)
 
 
 def launch_dequantize_rows(rows, dtype, *, block_r=None, block_c=None, num_warps=None):

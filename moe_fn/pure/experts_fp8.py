@@ -13,7 +13,7 @@ dequantised (exact), so the weight gradient is that of the function the forward 
 Weight gradients stay in the rows' dtype: on an H200 at 65,536 rows over 128 experts an FP8
 ``dW`` is no faster for down and saves less on gate+up than the two transposed per-expert
 quantisations it needs would cost (bench/RESULTS.md). ``impl`` is any namespace with
-``quantize_rows``, ``dequantize_rows``, ``swiglu_packed_fwd_fp8`` and
+``quantize_rows``, ``quantize_rows_t``, ``dequantize_rows``, ``swiglu_packed_fwd_fp8`` and
 ``swiglu_packed_bwd_fp8`` of the pure signatures (``moe_fn.kernels`` for the shells); by
 default the pure ones.
 """
@@ -33,6 +33,7 @@ from .fp8 import (
     grouped_mm_fp8,
     quantize_rows,
     quantize_rows_packed,
+    quantize_rows_t,
     swiglu_packed_bwd_fp8,
     swiglu_packed_fwd_fp8,
 )
@@ -52,7 +53,8 @@ class Fp8ExpertWeights(NamedTuple):
 
 def quantize_expert_weights(gate_up_proj, down_proj, impl=None) -> Fp8ExpertWeights:
     """The four quantised layouts of ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H,
-    I)``, each per output channel (row over its last dimension) by ``impl.quantize_rows``."""
+    I)``, each per output channel (row over its last dimension): as they are by
+    ``impl.quantize_rows``, transposed by ``impl.quantize_rows_t`` (no transposed copy)."""
     impl = PURE if impl is None else impl
 
     def quantize(w):
@@ -61,11 +63,12 @@ def quantize_expert_weights(gate_up_proj, down_proj, impl=None) -> Fp8ExpertWeig
         return Fp8Rows(rows.q.reshape(e, n, k), rows.scale.reshape(e, n))
 
     gu, dn = gate_up_proj.detach(), down_proj.detach()
-    return Fp8ExpertWeights(quantize(gu.contiguous()), quantize(gu.transpose(1, 2).contiguous()),
-                            quantize(dn.contiguous()), quantize(dn.transpose(1, 2).contiguous()))
+    return Fp8ExpertWeights(quantize(gu.contiguous()), impl.quantize_rows_t(gu),
+                            quantize(dn.contiguous()), impl.quantize_rows_t(dn))
 
 
-PURE = types.SimpleNamespace(quantize_rows=quantize_rows, dequantize_rows=dequantize_rows,
+PURE = types.SimpleNamespace(quantize_rows=quantize_rows, quantize_rows_t=quantize_rows_t,
+                             dequantize_rows=dequantize_rows,
                              quantize_rows_packed=quantize_rows_packed,
                              swiglu_packed_fwd_fp8=swiglu_packed_fwd_fp8,
                              swiglu_packed_bwd_fp8=swiglu_packed_bwd_fp8)

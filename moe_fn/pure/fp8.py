@@ -61,6 +61,15 @@ def quantize_rows(x: torch.Tensor, index: torch.Tensor | None = None) -> Fp8Rows
     return Fp8Rows(q, s.contiguous())
 
 
+def quantize_rows_t(w: torch.Tensor) -> Fp8Rows:
+    """``w (E, N, K)`` transposed and quantised: ``q (E, K, N)`` contiguous, ``scale (E,
+    K)``, each row ``k`` of expert ``e`` (``w[e, :, k]``) scaled over ``N``. The layout the
+    input-gradient GEMMs read the weights in."""
+    e, n, k = w.shape
+    rows = quantize_rows(w.transpose(1, 2).reshape(e * k, n))
+    return Fp8Rows(rows.q.reshape(e, k, n), rows.scale.reshape(e, k))
+
+
 def dequantize_rows(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
     """``q * scale`` in ``dtype`` (exact in bfloat16, float16 within its range, and
     float32)."""
@@ -152,6 +161,13 @@ def check_fp8_source(name: str, x) -> None:
     if x.dtype not in FP8_SOURCE_DTYPES:
         raise TypeError(f"{name}: the FP8 path quantises float16, bfloat16 or float32, got "
                         f"{x.dtype}; cast it first (x.float())")
+
+
+def check_quantize_t_args(w) -> None:
+    """``quantize_rows_t``'s argument: ``w (E, N, K)`` of an FP8 source dtype."""
+    check_fp8_source("w", w)
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D (experts, N, K), got shape {tuple(w.shape)}")
 
 
 def check_quantize_args(x, index=None, *, packed: bool = False, values: bool = True) -> None:

@@ -204,6 +204,30 @@ def test_quantize_rows_packed_matches_pure():
         PF.quantize_rows_packed(x[:, :0]).tolist()
 
 
+def test_quantize_rows_t_matches_pure():
+    """Expert weights transposed and quantised in one pass: the bits of quantising the
+    transposed copy row by row, for non-finite entries, widths past and below a tile,
+    strided sources and other tile shapes."""
+    _interp_required()
+    for dtype in DTYPES:
+        w = _nonfinite(_rows(3 * 13, 70, dtype, seed=4)).reshape(3, 13, 70)
+        want = PF.quantize_rows(w.transpose(1, 2).reshape(3 * 70, 13))
+        want = PF.Fp8Rows(want.q.reshape(3, 70, 13), want.scale.reshape(3, 70))
+        assert_same_rows(KF.launch_quantize_rows_t(w), want)
+        assert_same_rows(PF.quantize_rows_t(w), want)
+        assert_same_rows(ops.quantize_rows_t(w), want)  # the CPU op: the pure function
+    w = _rows(2 * 40, 9, torch.bfloat16, seed=5).reshape(2, 40, 9)
+    want = PF.quantize_rows_t(w)
+    assert_same_rows(KF.launch_quantize_rows_t(w.transpose(1, 2).contiguous().transpose(1, 2)),
+                     want)
+    for block_k, block_n in ((1, 16), (16, 8), (8, 64)):
+        assert_same_rows(KF.launch_quantize_rows_t(w, block_k=block_k, block_n=block_n), want)
+    empty = KF.launch_quantize_rows_t(w[:, :0])
+    assert empty.q.shape == (2, 9, 0) and empty.scale.shape == (2, 9)
+    with pytest.raises(ValueError, match="3-D"):
+        ops.quantize_rows_t(w[0])
+
+
 def test_quantize_rows_empty():
     _interp_required()
     x = torch.randn(0, 32)
@@ -361,6 +385,10 @@ def test_cpu_path_rows():
     idx = torch.tensor([3, 1, 8])
     assert_same_rows(ops.quantize_rows(x, idx), PF.quantize_rows(x, idx))
     assert_same_packed(ops.quantize_rows_packed(x, idx), PF.quantize_rows_packed(x, idx))
+    wt = (torch.randn(6, 1536, 2048, device="cuda") * 2).bfloat16()
+    wt[2, 7, 9] = float("inf")
+    assert_same_rows(ops.quantize_rows_t(wt), PF.quantize_rows_t(wt))
+    assert_same_rows(ops.quantize_rows_t(wt[:, :, :768]), PF.quantize_rows_t(wt[:, :, :768]))
     rows = PF.quantize_rows(x)
     for dtype in (torch.bfloat16, torch.float64):
         assert_same_bits(ops.dequantize_rows(rows, dtype), PF.dequantize_rows(rows, dtype))

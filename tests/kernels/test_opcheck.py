@@ -62,6 +62,8 @@ def _fp8_samples():
     yield OPS.quantize_rows.default, (x, None)
     yield OPS.quantize_rows.default, (gu, idx)
     yield OPS.quantize_rows_packed.default, (x, idx)
+    yield OPS.quantize_rows_t.default, (x.reshape(2, 3, 32),)
+    yield OPS.quantize_rows_t.default, (gu.reshape(5, 7, 2).transpose(1, 2),)
     view = pf.unpack_rows_fp8(packed, 32)
     yield OPS.dequantize_rows.default, (rows.q.view(torch.uint8), rows.scale, torch.bfloat16)
     yield OPS.dequantize_rows.default, (view.q.view(torch.uint8), view.scale, torch.float32)

@@ -255,10 +255,14 @@ def run_steps(cfg, mode, *, steps=3, batch=(2, 3), rank=0, group=None):
 
 
 def assert_same(got, want, what):
+    """Bit for bit: a checkpoint replays the same float32 operations on the same values."""
+    assert len(got) == len(want), what
     for step, (a, b) in enumerate(zip(got, want)):
         assert a.keys() == b.keys()
         for k in a:
-            torch.testing.assert_close(a[k], b[k], msg=f"{what} step {step} {k}")
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (
+                f"{what} step {step} {k}: max difference "
+                f"{(a[k].double() - b[k].double()).abs().max().item():.3g}")
 
 
 def _check_modes(world=1, rank=0, batch=(2, 3), **kw):
@@ -378,11 +382,18 @@ def test_expert_load_counts_training_forwards_once():
     torch.testing.assert_close(loads[""].max_violation.double(), want.max() / mean - 1)
 
 
-def _reference_loads(x, weight, bias, cfg):
-    """Rows per expert of a float64 naive routing with the bias steering the choice."""
+def _reference_choice(x, weight, bias, cfg):
+    """Each token's experts (ascending) by a float64 naive routing with the bias steering
+    the choice."""
     scores = torch.sigmoid(x @ weight.t())
     idx = torch.sort(scores + bias, dim=-1, descending=True, stable=True)[1][:, :cfg.top_k]
-    return torch.bincount(idx.reshape(-1), minlength=cfg.num_experts)
+    return idx.sort(dim=-1)[0]
+
+
+def _reference_loads(x, weight, bias, cfg):
+    """Rows per expert of :func:`_reference_choice`."""
+    return torch.bincount(_reference_choice(x, weight, bias, cfg).reshape(-1),
+                          minlength=cfg.num_experts)
 
 
 def _bias_steps(rank=0, world=1):
@@ -400,7 +411,16 @@ def _bias_steps(rank=0, world=1):
     rate = 2.0 ** -4
     ref_bias = torch.zeros(8, dtype=torch.float64)
     gen = torch.Generator().manual_seed(11)
-    routes = []
+    # One fixed batch routed after every update: only the bias can change its routes.
+    probe = torch.randn(32, H, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+
+    def probe_routes():
+        with torch.no_grad():
+            got = layer.route(probe)[1].sort(dim=-1)[0]
+        assert torch.equal(got, _reference_choice(probe, full_w, ref_bias, cfg))
+        return got
+
+    routes = [probe_routes()]
     for _ in range(4):
         load = torch.zeros(8, dtype=torch.int64)
         for _micro in range(2):
@@ -413,8 +433,9 @@ def _bias_steps(rank=0, world=1):
         assert torch.equal(loads[""].last, load)
         ref_bias += rate * torch.sign(load.double().mean() - load.double())
         assert torch.equal(layer.router.e_score_correction_bias.double(), ref_bias)
-        routes.append(load)
-    assert not all(torch.equal(routes[0], r) for r in routes[1:])  # the bias moved routes
+        routes.append(probe_routes())
+    # The bias moved routes: the same tokens go elsewhere than before the first update.
+    assert not torch.equal(routes[0], routes[-1])
 
 
 def test_bias_update_matches_the_reference_over_several_steps():

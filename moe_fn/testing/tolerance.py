@@ -14,15 +14,36 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+def _require_finite(t: torch.Tensor, what: str, name: str = "") -> None:
+    """Fail unless every element of ``t`` is finite, naming the tensor and the first
+    offending element: a NaN or an infinity in a result, in plain's arm (which sets the
+    bound) or in the oracle makes any comparison of errors meaningless."""
+    bad = ~torch.isfinite(t.detach())
+    if not bad.any():
+        return
+    flat = bad.reshape(-1)
+    first = int(flat.nonzero()[0].item())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), t.shape))
+    value = t.detach().reshape(-1)[first].item()
+    label = f"{name}: " if name else ""
+    raise AssertionError(f"{label}{what} holds {int(flat.sum())} non-finite element(s) of "
+                         f"{t.numel()}, the first {value} at index {index}")
+
+
 def rounding_step(dtype: torch.dtype, ref64: torch.Tensor) -> float:
-    """One unit of rounding of ``dtype`` at the magnitude of ``ref64`` (its max norm)."""
+    """One unit of rounding of ``dtype`` at the magnitude of ``ref64`` (its max norm).
+    ``ref64`` must be finite."""
+    _require_finite(ref64, "ref64")
     if ref64.numel() == 0:
         return 0.0
     return torch.finfo(dtype).eps * ref64.abs().max().item()
 
 
 def max_error(t: torch.Tensor, ref64: torch.Tensor) -> float:
-    """``max |t - ref64|`` in float64 (0 for empty tensors)."""
+    """``max |t - ref64|`` in float64 (0 for empty tensors). Both must be finite: an
+    error that is NaN or infinite compares as no error at all."""
+    _require_finite(t, "the tensor compared")
+    _require_finite(ref64, "ref64")
     if t.numel() == 0:
         return 0.0
     return (t.double() - ref64.double()).abs().max().item()
@@ -30,8 +51,25 @@ def max_error(t: torch.Tensor, ref64: torch.Tensor) -> float:
 
 def error_bound(plain: torch.Tensor, ref64: torch.Tensor, *, dtype=None) -> float:
     """What the rule allows a result of ``dtype`` (default ``plain``'s) to be off from
-    ``ref64``: ``2 * max|plain - ref64| + eps(dtype) * max|ref64|``."""
+    ``ref64``: ``2 * max|plain - ref64| + eps(dtype) * max|ref64|``. Both must be finite
+    (an infinite bound would pass anything)."""
+    _require_finite(plain, "plain")
+    _require_finite(ref64, "ref64")
     return 2 * max_error(plain, ref64) + rounding_step(dtype or plain.dtype, ref64)
+
+
+def _check_entry(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor,
+                 name: str) -> None:
+    """Shapes and dtypes agree and all three are finite, else fail naming the entry."""
+    label = f"{name}: " if name else ""
+    if not (got.shape == plain.shape == ref64.shape):
+        raise AssertionError(f"{label}shapes differ: got {tuple(got.shape)}, plain "
+                             f"{tuple(plain.shape)}, ref64 {tuple(ref64.shape)}")
+    if got.dtype != plain.dtype:
+        raise AssertionError(f"{label}dtypes differ: got {got.dtype}, plain {plain.dtype}")
+    _require_finite(got, "got", name)
+    _require_finite(plain, "plain", name)
+    _require_finite(ref64, "ref64", name)
 
 
 def assert_close_to_ref(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor,
@@ -40,15 +78,11 @@ def assert_close_to_ref(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Ten
 
     ``got``: the result under test; ``plain``: the same quantity computed by plain PyTorch
     in ``got``'s precision from the same inputs; ``ref64``: the float64 oracle. Shapes must
-    agree, and ``got`` must not have silently changed dtype."""
+    agree, ``got`` must not have silently changed dtype, and all three must be finite."""
     label = f"{name}: " if name else ""
-    if not (got.shape == plain.shape == ref64.shape):
-        raise AssertionError(f"{label}shapes differ: got {tuple(got.shape)}, plain "
-                             f"{tuple(plain.shape)}, ref64 {tuple(ref64.shape)}")
-    if got.dtype != plain.dtype:
-        raise AssertionError(f"{label}dtypes differ: got {got.dtype}, plain {plain.dtype}")
+    _check_entry(got, plain, ref64, name)
     err, bound = max_error(got, ref64), error_bound(plain, ref64, dtype=got.dtype)
-    if not err <= bound:  # also catches NaN
+    if not err <= bound:
         raise AssertionError(
             f"{label}error against float64 {err:.3g} > bound {bound:.3g} (twice plain "
             f"{got.dtype}'s error {max_error(plain, ref64):.3g} + one rounding step "
@@ -90,17 +124,14 @@ def assert_jointly_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
     For a whole model's outputs and gradients, where a small entry alone (a bias, a loss)
     holds too few elements for two maxima of rounding errors to be compared on every
     machine; an entry that is wrong is still off by far more than the rounding of the rest.
-    ``None`` entries must be ``None`` in all three."""
+    ``None`` entries must be ``None`` in all three; every entry must be finite (a NaN or an
+    infinity anywhere fails, naming its entry)."""
     worst, plain_worst, step = (0.0, ""), 0.0, 0.0
     for g, p, r, n in _triples(got, plain, ref64, names):
-        if not (g.shape == p.shape == r.shape):
-            raise AssertionError(f"{n}: shapes differ: got {tuple(g.shape)}, plain "
-                                 f"{tuple(p.shape)}, ref64 {tuple(r.shape)}")
-        if g.dtype != p.dtype:
-            raise AssertionError(f"{n}: dtypes differ: got {g.dtype}, plain {p.dtype}")
+        _check_entry(g, p, r, n)
         scale = (r.abs().max().item() if r.numel() else 0.0) or 1.0  # all zero: absolute
         err = max_error(g, r) / scale
-        if not err <= worst[0]:  # NaN counts as the worst
+        if err > worst[0]:
             worst = (err, n)
         plain_worst = max(plain_worst, max_error(p, r) / scale)
         step = max(step, torch.finfo(g.dtype).eps)

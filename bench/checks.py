@@ -36,3 +36,28 @@ def check(got, plain, ref64, what: str) -> None:
     elif floats:
         assert_all_close_to_ref(*([t.detach() for t in col] for col in zip(*floats)),
                                 [f"{what}[{i}]" for i in range(len(floats))])
+
+
+def stable_tokens(logits64, model, dtype) -> torch.Tensor:
+    """``(T,)`` bool: the tokens whose route no rounding of the logits in ``dtype`` can
+    change (each logit moved by up to ``2 eps max|logit|``, twice a rounding at the token's
+    largest logit): the k-th and next choice values, and with expert groups the chosen and
+    next group's scores, further apart than their moves. An arm's output is compared with
+    float64 there only; elsewhere a near tie may route either way at any precision."""
+    tol = 2 * torch.finfo(dtype).eps * logits64.abs().amax(-1)
+    r, k = model.routing, model.top_k
+    if r.get("score_func", "softmax") == "softmax":
+        v = logits64.sort(-1, descending=True).values
+        return v[:, k - 1] - v[:, k] > 2 * tol
+    c = torch.sigmoid(logits64)  # moves by at most a quarter of the logits'
+    t, e = c.shape
+    g, tg = r["n_group"], r["topk_group"]
+    groups = c.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
+    ok = torch.ones(t, dtype=torch.bool, device=c.device)
+    if tg < g:
+        gv = groups.sort(-1, descending=True).values
+        ok &= gv[:, tg - 1] - gv[:, tg] > 4 * tol
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(tg, dim=-1).indices, 1.0)
+    eligible = keep[:, :, None].expand(t, g, e // g).reshape(t, e) > 0
+    v = c.masked_fill(~eligible, float("-inf")).sort(-1, descending=True).values
+    return ok & (v[:, k - 1] - v[:, k] > 2 * tol)

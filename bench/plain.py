@@ -131,12 +131,17 @@ class PlainLayer(torch.nn.Module):
         self.w_up = torch.nn.Parameter(gate_up_proj.detach()[:, i:].contiguous())
         self.w_down = torch.nn.Parameter(down_proj.detach().clone())
         self.bias = None if bias is None else bias.detach().clone()
+        self.fp8 = False  # the experts as fp8_experts: the FP8 rule's plain arm
 
     def forward(self, x):
         k = self.model.top_k
         w, idx = route(F.linear(x, self.router), self.model, self.bias)
         _, offs, perm, _, token = layout(idx, self.model.experts)
-        y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
+        if self.fp8:
+            y = fp8_experts(x[token], torch.cat([self.w_gate, self.w_up], 1), self.w_down,
+                            offs)
+        else:
+            y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
         y = y * w.reshape(-1)[perm, None].to(y.dtype)
         return torch.zeros_like(x).index_add(0, perm // k, y)
 

@@ -9,6 +9,10 @@ import torch.nn.functional as F
 from .shapes import Model
 
 
+def _at_least_float32(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def route(logits, model: Model, bias=None):
     """``(topk_weight float32 (T, k), topk_idx (T, k))`` as the HF blocks route: softmax,
     ``torch.topk``, renormalise (Qwen3, Mixtral); or sigmoid with the choice bias, expert
@@ -16,12 +20,12 @@ def route(logits, model: Model, bias=None):
     """
     r, k = model.routing, model.top_k
     if r.get("score_func", "softmax") == "softmax":
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(_at_least_float32(logits), dim=-1)
         w, idx = torch.topk(probs, k, dim=-1)
         if r.get("norm_topk_prob"):
             w = w / w.sum(dim=-1, keepdim=True)
         return w * r.get("routed_scaling_factor", 1.0), idx
-    scores = torch.sigmoid(logits.float())
+    scores = torch.sigmoid(_at_least_float32(logits))
     choice = scores if bias is None else scores + bias
     t, e = choice.shape
     g = r["n_group"]
@@ -48,10 +52,34 @@ def layout(topk_idx, num_experts: int):
 
 
 def experts(x, w_gate, w_up, w_down, offs):
-    """Three ``torch._grouped_mm`` with an eager ``silu(g) * u`` between."""
-    g = torch._grouped_mm(x, w_gate.transpose(-2, -1), offs=offs)
-    u = torch._grouped_mm(x, w_up.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(g) * u, w_down.transpose(-2, -1), offs=offs)
+    """Three ``torch._grouped_mm`` with an eager ``silu(g) * u`` between (a matmul per
+    expert in float64, which ``_grouped_mm`` does not take)."""
+    g = grouped_mm(x, w_gate, offs)
+    u = grouped_mm(x, w_up, offs)
+    return grouped_mm(F.silu(g) * u, w_down, offs)
+
+
+def grouped_mm(x, w, offs, linear=None):
+    """Rows ``x[offs[e-1]:offs[e]] @ w[e]^T`` per expert: one ``torch._grouped_mm``, or with
+    ``linear(rows, w[e])`` (or in float64) a loop."""
+    if linear is None and x.dtype != torch.float64:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    linear = linear or (lambda r, we: r @ we.t())
+    parts, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        parts.append(linear(x[start:end], w[e]))
+        start = end
+    return torch.cat(parts)
+
+
+def fp8_experts(x, gate_up, down, offs):
+    """The expert MLP with both GEMMs as ``moe_fn.testing.fp8.fp8_linear`` (the FP8 rule's
+    plain arm), SwiGLU on the halves between."""
+    from moe_fn.testing.fp8 import fp8_linear
+
+    i = down.shape[2]
+    gu = grouped_mm(x, gate_up, offs, fp8_linear)
+    return grouped_mm(F.silu(gu[:, :i]) * gu[:, i:], down, offs, fp8_linear)
 
 
 def torchao_fp8_available() -> bool:
@@ -103,12 +131,17 @@ class PlainLayer(torch.nn.Module):
         self.w_up = torch.nn.Parameter(gate_up_proj.detach()[:, i:].contiguous())
         self.w_down = torch.nn.Parameter(down_proj.detach().clone())
         self.bias = None if bias is None else bias.detach().clone()
+        self.fp8 = False  # the experts as fp8_experts: the FP8 rule's plain arm
 
     def forward(self, x):
         k = self.model.top_k
         w, idx = route(F.linear(x, self.router), self.model, self.bias)
         _, offs, perm, _, token = layout(idx, self.model.experts)
-        y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
+        if self.fp8:
+            y = fp8_experts(x[token], torch.cat([self.w_gate, self.w_up], 1), self.w_down,
+                            offs)
+        else:
+            y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
         y = y * w.reshape(-1)[perm, None].to(y.dtype)
         return torch.zeros_like(x).index_add(0, perm // k, y)
 

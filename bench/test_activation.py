@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import harness, shapes
+from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 from moe_fn import functional
@@ -55,6 +56,7 @@ def test_activation_fwd(measure, model, act, arm):
     gate_up, _ = _inputs.get(model.name, lambda: _make(model))
     x = gate_up.detach()
     with torch.no_grad():
+        check(_forward(arm, x, act), _plain(x, act), _plain(f64(x), act), arm)
         measure(lambda: _forward(arm, x, act), shape=f"{model.name} {act}",
                 nbytes=_bytes(model, 3), flush_l2=True)  # read 2I, write I
 
@@ -67,6 +69,10 @@ def test_activation_bwd(measure, model, act, arm):
     model = shapes.get(model)
     gate_up, dh = _inputs.get(model.name, lambda: _make(model))
     h = _forward(arm, gate_up, act)
+    g64, dh64 = f64(gate_up, dh)
+    check(torch.autograd.grad(h, gate_up, dh, retain_graph=True)[0],
+          torch.autograd.grad(_plain(gate_up, act), gate_up, dh)[0],
+          torch.autograd.grad(_plain(g64, act), g64, dh64)[0], arm)
     measure(lambda: torch.autograd.grad(h, gate_up, dh, retain_graph=True),
             shape=f"{model.name} {act}", nbytes=_bytes(model, 5),  # read 2I + I, write 2I
             flush_l2=True)

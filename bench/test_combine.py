@@ -10,6 +10,7 @@ import torch
 
 import moe_fn.kernels as ops
 from bench import harness, shapes
+from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 
@@ -58,6 +59,7 @@ def test_gather_sum(measure, model, weighted, arm):
     else:
         def fn():
             return ops.gather_sum_fwd(rows, index, k)[0]
+    check(fn(), _plain_sum(rows, index, k, ww), _plain_sum(f64(rows), index, k, f64(ww)), arm)
     measure(fn, shape=f"{model.name} {'weighted' if weighted else 'plain'}",
             nbytes=_bytes(model, 1, 1), flush_l2=True)  # read the rows, write the tokens
 

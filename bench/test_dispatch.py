@@ -10,6 +10,7 @@ import torch
 
 import moe_fn.kernels as ops
 from bench import harness, plain, shapes
+from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 
@@ -40,6 +41,8 @@ def test_layout(measure, model, arm):
     else:
         def fn():
             return plain.layout(topk_idx, e)
+    # Integers: the same as plain PyTorch's, exactly.
+    check(fn(), plain.layout(topk_idx, e), plain.layout(topk_idx, e), arm)
     # Read the indices, write the permutation, its inverse and the tokens (int64 each).
     measure(fn, shape=model.name, nbytes=4 * topk_idx.numel() * 8, flush_l2=True)
 
@@ -56,4 +59,6 @@ def test_gather_rows(measure, model, arm):
     else:
         def fn():
             return torch.index_select(x, 0, tokens, out=out)
+    check(fn().clone(), torch.index_select(x, 0, tokens), torch.index_select(f64(x), 0, tokens),
+          arm)
     measure(fn, shape=model.name, nbytes=2 * out.numel() * out.element_size(), flush_l2=True)

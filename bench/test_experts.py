@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bench import harness, plain, shapes
+from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import EXPERT_MODELS, KERNEL_MODELS, names
 from moe_fn import functional
@@ -85,6 +86,9 @@ def test_grouped_linear(measure, model, arm, phase):
     else:
         def fn():
             return plain.grouped_linear_loop(x, w, counts)
+    with torch.no_grad():
+        check(fn(), plain.grouped_linear_loop(x, w, counts),
+              plain.grouped_linear_loop(*f64(x, w), counts), arm)
     flops = 2 * model.expert_rows * model.hidden * 2 * model.inter
     backward = phase == "fwd+bwd"
     measure(_step(fn, (x, w), d["dy_linear"], backward), shape=f"{model.name} {phase}",
@@ -113,6 +117,15 @@ def test_experts(measure, model, counts, arm, phase):
                                                  fp8_weights=d["fp8_weights"]),
         "torchao-fp8": lambda: plain.torchao_fp8_experts(x, d["gate_up"], d["down"], offs),
     }
+    with torch.no_grad():
+        x64, gu64, dn64 = f64(x, d["gate_up"], d["down"])
+        i = model.inter
+        ref64 = plain.experts(x64, gu64[:, :i], gu64[:, i:], dn64, offs)
+        if arm.endswith("fp8"):  # the FP8 rule: plain is fp8_linear's quantised GEMMs
+            want = plain.fp8_experts(x, d["gate_up"], d["down"], offs)
+        else:
+            want = plain.experts(x, d["w_gate"], d["w_up"], d["w_down"], offs)
+        check(fns[arm](), want, ref64, arm)
     leaves = (x, d["gate_up"], d["down"], d["w_gate"], d["w_up"], d["w_down"])
     flops = 2 * model.expert_rows * model.hidden * 3 * model.inter
     backward = phase == "fwd+bwd"

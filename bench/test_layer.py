@@ -12,6 +12,7 @@ layer's, relative to its largest entry.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from bench import harness, plain, shapes
+from bench.checks import check, f64, stable_tokens
 from bench.harness import CLOCK
 from bench.shapes import LAYER_MODELS, MOE_FN_ARMS, layer_flops
 from moe_fn import MoELayer
@@ -64,11 +66,31 @@ def build_weights(model):
 
 
 def inputs(model, d):
-    """An input, its output gradient and the plain layer's output."""
+    """An input, its output gradient, the plain layer's output and its float64 twin's on the
+    same input, and the tokens whose route is the same at any precision."""
     x = harness.randn(model.tokens, model.hidden, seed=4).requires_grad_()
+    layer = d["fns"]["torch"]
+    layer64 = copy.deepcopy(layer).double()
+    x64 = f64(x).detach()
+    layer_fp8 = copy.deepcopy(layer)
+    layer_fp8.fp8 = True
     with torch.no_grad():
-        ref = d["fns"]["torch"](x).float()
-    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=ref)
+        out = layer(x)
+        out_fp8 = layer_fp8(x)
+        ref64 = layer64(x64)
+        stable = stable_tokens(torch.nn.functional.linear(x64, layer64.router), model,
+                               x.dtype)
+    assert stable.float().mean() > 0.25, "too few well-routed tokens to check the layer"
+    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=out.float(),
+                plain_out=out, plain_fp8_out=out_fp8, ref64=ref64, stable=stable)
+
+
+def check_layer(d, arm, out) -> None:
+    """The arm's output by the tolerance rule against the plain layer's on the tokens whose
+    route rounding cannot change (the FP8 arm: against the FP8 rule's plain layer)."""
+    s = d["stable"]
+    want = d["plain_fp8_out" if arm.endswith("fp8") else "plain_out"]
+    check(out[s], want[s], d["ref64"][s], arm)
 
 
 def rel_diff(out, ref) -> float:
@@ -84,7 +106,9 @@ def test_layer(measure, model, arm, phase):
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
     fn, x, dy, leaves = d["fns"][arm], d["x"], d["dy"], d["params"][arm]
     with torch.no_grad():
-        diff = rel_diff(fn(x), d["ref"])
+        got = fn(x)
+        check_layer(d, arm, got)
+        diff = rel_diff(got, d["ref"])
 
     def step():
         for p in leaves:
@@ -114,6 +138,8 @@ def test_layer_pipelined(measure, benchmark, model, arm):
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
     fn, x = d["fns"][arm], d["x"]
+    with torch.no_grad():
+        check_layer(d, arm, fn(x))
 
     def forwards():
         for _ in range(PIPELINE):
@@ -162,6 +188,9 @@ def _paired(measure, benchmark, model, phase, first, second):
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
     x, dy = d["x"], d["dy"]
+    with torch.no_grad():
+        for arm in (first, second):
+            check_layer(d, arm, d["fns"][arm](x))
 
     def call(arm):
         fn, leaves = d["fns"][arm], d["params"][arm]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import harness, shapes
+from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 from moe_fn import functional
@@ -42,6 +43,8 @@ def test_row_weight_fwd(measure, model, arm):
     rows, w, _ = _inputs.get(model.name, lambda: _make(model))
     r, ww = rows.detach(), w.detach()
     with torch.no_grad():
+        check(_forward(arm, r, ww), _forward("torch", r, ww),
+              _forward("torch", *f64(r, ww)), arm)
         measure(lambda: _forward(arm, r, ww), shape=model.name, nbytes=_bytes(model, 2),
                 flush_l2=True)
 
@@ -53,6 +56,10 @@ def test_row_weight_bwd(measure, model, arm):
     model = shapes.get(model)
     rows, w, d = _inputs.get(model.name, lambda: _make(model))
     out = _forward(arm, rows, w)
+    r64, w64, d64 = f64(rows, w, d)
+    check(torch.autograd.grad(out, (rows, w), d, retain_graph=True),
+          torch.autograd.grad(_forward("torch", rows, w), (rows, w), d),
+          torch.autograd.grad(_forward("torch", r64, w64), (r64, w64), d64), arm)
     # Read rows and d_out, write d_rows (and the weights' gradient).
     measure(lambda: torch.autograd.grad(out, (rows, w), d, retain_graph=True),
             shape=model.name, nbytes=_bytes(model, 3), flush_l2=True)

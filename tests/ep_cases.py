@@ -7,7 +7,13 @@ import torch
 import torch.distributed as dist
 
 from moe_fn import MoEConfig, MoELayer
-from moe_fn.testing import assert_jointly_close_to_ref, layer_params, reference_moe
+from moe_fn.testing import (
+    MoEParams,
+    assert_jointly_close_to_ref,
+    layer_params,
+    max_error,
+    reference_moe,
+)
 
 
 def small_config(**kw):
@@ -42,14 +48,51 @@ def load_rank_slice(layer, full, rank):
     return sl
 
 
+# Float64 results in another summation order than the oracle's: within this many float64
+# rounding steps at the largest magnitude among them (one float32 step is 2**29 of them).
+FLOAT64_STEPS = 64
+NAMES = {"router_weight": "router.weight", "router_bias": "router.bias",
+         "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj",
+         "gate_up_proj_bias": "experts.gate_up_proj_bias",
+         "down_proj_bias": "experts.down_proj_bias"}
+
+
+def reference_run(x, params, cfg, g, dtype, **kw):
+    """``reference_moe`` in ``dtype`` on ``x`` and ``params`` (float64), the loss
+    ``sum(out * g)``: ``{"out", "x", parameter name: gradient}`` and the route taken."""
+    leaves = {n: None if t is None else t.detach().to(dtype).requires_grad_(n in NAMES)
+              for n, t in params._asdict().items()}
+    xl = x.detach().to(dtype).requires_grad_()
+    ref = reference_moe(xl, MoEParams(**leaves), cfg, **kw)
+    (ref.out * g.to(dtype)).sum().backward()
+    got = {"out": ref.out.detach(), "x": xl.grad}
+    got.update((NAMES[n], t.grad) for n, t in leaves.items() if n in NAMES and t is not None)
+    return got, ref.route
+
+
+def assert_float64_close(got, want, names, scale):
+    """Float64 results ``got[i]`` each within ``FLOAT64_STEPS`` float64 rounding steps of
+    ``want[i]`` at magnitude ``scale``, the largest of the whole computation's results (an
+    analytically zero gradient is rounding noise of terms of that size; a rank may hold no
+    tokens): a float32 rounding anywhere on the way shows."""
+    bound = FLOAT64_STEPS * torch.finfo(torch.float64).eps * scale
+    for g, w, name in zip(got, want, names):
+        assert g.dtype == w.dtype == torch.float64, (name, g.dtype, w.dtype)
+        err = max_error(g, w)
+        assert err <= bound, (f"{name}: error {err:.3g} > {FLOAT64_STEPS} float64 steps at "
+                              f"the results' magnitude {scale:.3g}: {bound:.3g}")
+
+
 def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torch.float64,
             before_ep=None):
     """Rank ``rank``'s part of an expert-parallel layer in ``dtype`` against the float64
     reference MoE (``moe_fn.testing.reference_moe``) holding every expert and every rank's
-    tokens; float32 by the tolerance rule, with the single-process float32 layer as plain.
-    ``ref``, a float64 layer, only holds the full parameter set (and, after the backward,
-    the reference's gradients). ``before_ep`` runs just before the expert-parallel layer's
-    first call."""
+    tokens. Float64: within a few float64 rounding steps (DeepEP's stand-in: of the
+    reference with the routing weights, and their gradient, rounded to float32 as DeepEP
+    carries them); float32: by the tolerance rule, with the reference in float32 on the
+    same inputs (and route) as plain. ``ref``, a float64 layer, only holds the full
+    parameter set (and, after the backward, the reference's gradients). ``before_ep`` runs
+    just before the expert-parallel layer's first call."""
     torch.manual_seed(seed)
     cfg_full = small_config(**kw)
     ref = MoELayer(cfg_full, dtype=torch.float64)
@@ -75,17 +118,22 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
     start = sum(tokens_per_rank[:rank])
     rows = slice(start, start + tokens_per_rank[rank])
     plain = {}
+    params = MoEParams(*(None if t is None else t.detach() for t in layer_params(ref)))
     if dtype != torch.float64:
-        # Plain: the single-process layer in dtype on the same inputs; the expert-parallel
-        # one's error against float64 may be at most twice its (other summation orders),
-        # output and gradients taken as one (some are small: a bias, an 8-expert router).
-        single = MoELayer(cfg_full, dtype=dtype)
-        single.load_state_dict(ref.state_dict())
-        x_single = torch.cat(xs).to(dtype).requires_grad_()
-        y = single(x_single)
-        (y * torch.cat(gs).to(dtype)).sum().backward()
-        plain = {"out": y.detach()[rows], "x": x_single.grad[rows]}
-        plain.update((n, p.grad) for n, p in single.named_parameters())
+        # Plain: the reference in dtype on the same inputs, with the float64 route; the
+        # expert-parallel layer's error against float64 may be at most twice its, output and
+        # gradients taken as one (some are small: a bias, an 8-expert router).
+        route64 = reference_moe(x_all.detach(), params, cfg_full).route
+        plain, _ = reference_run(x_all, params, cfg_full, torch.cat(gs), dtype,
+                                 topk_idx=route64.topk_idx)
+        plain["out"], plain["x"] = plain["out"][rows], plain["x"][rows]
+    rounded = {}
+    if dtype == torch.float64 and cfg.comm_backend == "deepep":
+        # DeepEP's API carries routing weights (and their gradients) as float32: the
+        # oracle rounds them there too, and only there.
+        rounded, _ = reference_run(x_all, params, cfg_full, torch.cat(gs), dtype,
+                                   weights_dtype=torch.float32)
+        rounded["out"], rounded["x"] = rounded["out"][rows], rounded["x"][rows]
 
     if before_ep is not None:
         before_ep()
@@ -93,19 +141,17 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
     out = layer(x)
     (out * gs[rank].to(dtype)).sum().backward()
 
-    joint = ([], [], [], [])  # float32: the layer's results checked as one (got, plain, ref)
+    # The layer's results checked as one: (got, plain, ref, name) in float32, (got, ref,
+    # name) in float64.
+    joint = ([], [], [], []) if plain else ([], [], [])
 
     def assert_close(got, want, name):
         if plain:
-            for part, v in zip(joint, (got, plain[name], want.to(torch.float64), name)):
-                part.append(v)
-            return
-        tol = {}
-        if cfg.comm_backend == "deepep":
-            # DeepEP's API carries routing weights (and their gradients) as float32: a
-            # rounding of float64 data, the same on every machine.
-            tol = dict(rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got, want.to(dtype), **tol)
+            row = (got, plain[name], want.to(torch.float64), name)
+        else:
+            row = (got, rounded[name] if rounded else want, name)
+        for part, v in zip(joint, row):
+            part.append(v)
     assert_close(out, out_all[rows].detach(), "out")
     assert_close(x.grad, x_all.grad[rows], "x")
     router_grad = layer.router.weight.grad.clone()
@@ -118,14 +164,18 @@ def ep_case(rank, world, kw, tokens_per_rank, seed, exchange_kw=None, dtype=torc
     experts = ["gate_up_proj", "down_proj"]
     if cfg.expert_bias:
         experts += ["gate_up_proj_bias", "down_proj_bias"]
-    if plain:
+    for table in (plain, rounded):
         for name in experts:
-            plain["experts." + name] = plain["experts." + name][sl]
+            if table:
+                table["experts." + name] = table["experts." + name][sl]
     for name in experts:
         assert_close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[sl],
                      "experts." + name)
     if plain:
         assert_jointly_close_to_ref(*joint)
+    else:
+        full = [out_all, x_all.grad, *(p.grad for p in ref.parameters())]
+        assert_float64_close(*joint, max(t.abs().max().item() for t in full))
     c = layer.exchange.counters
     assert (c["layout"], c["dispatch"], c["combine"]) == (1, 1, 1)
     if cfg.score_correction_bias:

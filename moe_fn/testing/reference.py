@@ -263,14 +263,16 @@ def reference_experts(x, gate_up_proj, down_proj, counts, *, activation: str = "
 
 
 def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None,
-                  fp8: bool = False) -> MoEOutput:
+                  fp8: bool = False, weights_dtype: torch.dtype | None = None) -> MoEOutput:
     """The MoE layer of ``config`` on ``x (..., H)`` with all experts in ``params``.
 
     Dense over experts: each expert's output for every token, combined with the dense
     routing weights. ``topk_idx`` replays a route. With ``fp8`` the experts' two GEMMs are
     ``moe_fn.testing.fp8.fp8_linear`` (the plain arm for ``expert_precision=
-    'fp8_rowwise'``; its float64 oracle is the call without). Returns ``MoEOutput(out
-    (..., H), logits (T, E), route)``.
+    'fp8_rowwise'``; its float64 oracle is the call without). ``weights_dtype``: the
+    routing weights rounded to it where they are applied, and their gradient where it
+    leaves them (an exchange that carries them in it: DeepEP's float32), everything else
+    in ``x``'s dtype. Returns ``MoEOutput(out (..., H), logits (T, E), route)``.
     """
     c = config
     shape = x.shape
@@ -285,7 +287,10 @@ def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None,
                             score_correction_bias=params.score_correction_bias,
                             topk_idx=topk_idx)
     t, e = logits.shape
-    dense_w = x2.new_zeros(t, e).scatter(1, route.topk_idx, route.topk_weight.to(x2.dtype))
+    applied = route.topk_weight
+    if weights_dtype is not None:
+        applied = _RoundTrip.apply(applied, weights_dtype)
+    dense_w = x2.new_zeros(t, e).scatter(1, route.topk_idx, applied.to(x2.dtype))
     chosen = x2.new_zeros(t, e).scatter(1, route.topk_idx, 1.0)
     rows = x2[:, None, :].expand(t, e, c.hidden_size)
     if c.score_apply == "pre":
@@ -305,6 +310,19 @@ def reference_moe(x, params: MoEParams, config: MoEConfig, *, topk_idx=None,
     combine = dense_w if c.score_apply == "post" else chosen
     out = torch.einsum("te,teh->th", combine, y)
     return MoEOutput(out.reshape(shape), logits, route)
+
+
+class _RoundTrip(torch.autograd.Function):
+    """``t`` rounded to ``dtype`` and back; its gradient too."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.to(dtype).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype).to(g.dtype), None
 
 
 def _per_expert_fp8(rows, weight):

@@ -54,6 +54,30 @@ def test_pull_rows_reads_every_peer(dtype, width, row_div):
     assert only_rows[1] is None and torch.equal(only_rows[0], out)
 
 
+def _naive_slot_sum(y, slots, k, w=None, dtype=None):
+    """Group g's sum of ``[w[s] *] y[s]`` over its slots ``s = slots[g*k + j] >= 0``, in
+    ``dtype`` (default y's), row by row: the oracle and the plain arm of ``slot_sum``."""
+    dtype = dtype or y.dtype
+    out = torch.zeros(slots.numel() // k, y.shape[1], dtype=dtype, device=y.device)
+    for g in range(out.shape[0]):
+        for s in slots[g * k:(g + 1) * k].tolist():
+            if s >= 0:
+                row = y[s].to(dtype)
+                out[g] += row if w is None else w[s].to(dtype) * row
+    return out
+
+
+def _naive_partial_sum(peers, home_rank, rank, max_tokens, k, dtype):
+    """Token t's row: ``peers[o][rank * max_tokens + t]`` summed over the distinct ranks o
+    among ``home_rank[t*k:(t+1)*k]`` in rank order, in the peers' dtype, then cast."""
+    n_tok = home_rank.numel() // k
+    out = torch.zeros(n_tok, peers[0].shape[1], dtype=peers[0].dtype, device=peers[0].device)
+    for t in range(n_tok):
+        for o in sorted(set(home_rank[t * k:(t + 1) * k].tolist())):
+            out[t] += peers[o][rank * max_tokens + t]
+    return out.to(dtype)
+
+
 def _token_slots(ep, n_tok, k, seed, fill=0.6):
     """Slots of a random expert-major layout: each (rank, token, j) row lands at a distinct
     output position, or nowhere (-1)."""
@@ -103,10 +127,13 @@ def test_slot_sums_then_partials_sum_each_tokens_rows_in_float32(dtype, weighted
         out = torch.full((ep * n_tok, width), float("nan"), device=DEV)
         launch_slot_sum(y, slots, k, out, w, num_programs=2, tokens_per_program=2)
         pure = slot_sum(y, slots, k, w)
-        want64 = slot_sum(y.double(), slots, k, None if w is None else w.double())
+        # Plain: the naive sum in float32 (slot_sum's accumulation for every dtype here).
+        plain = _naive_slot_sum(y, slots, k, w, torch.float32)
+        want64 = _naive_slot_sum(y, slots, k, w, torch.float64)
         used = (slots.view(-1, k) >= 0).any(1)
         assert torch.isnan(out[~used]).all()  # groups without a row are left alone
-        assert_close_to_ref(out[used], pure[used], want64[used])
+        assert_close_to_ref(out[used], plain[used], want64[used])
+        assert_close_to_ref(pure[used], plain[used], want64[used])
         partials.append(out.nan_to_num(0.0))
         ref64.append(want64)
     # Rank 1's tokens: each summed over the ranks computing any of its rows.
@@ -116,18 +143,20 @@ def test_slot_sums_then_partials_sum_each_tokens_rows_in_float32(dtype, weighted
     for progs, tok in ((1, 1), (3, 2), (64, 8)):
         out, vout = launch_pull_partials(tuple(partials), vals, 1, home_rank, vpos, k, n_tok,
                                          dtype, num_programs=progs, tokens_per_program=tok)
-        pure = peer_partial_sum(tuple(partials), home_rank, 1, n_tok, k, dtype)
-        exact = peer_partial_sum(tuple(p.double() for p in partials), home_rank, 1, n_tok, k,
-                                 torch.float64)
+        plain = _naive_partial_sum(tuple(partials), home_rank, 1, n_tok, k, dtype)
+        exact = _naive_partial_sum(tuple(p.double() for p in partials), home_rank, 1, n_tok,
+                                   k, torch.float64)
         # (float32 sums in the same order; the rounding to bfloat16 may differ: the
         # interpreter truncates.)
-        assert_close_to_ref(out, pure, exact, f"{progs} {tok}")
+        assert_close_to_ref(out, plain, exact, f"{progs} {tok}")
+        pure = peer_partial_sum(tuple(partials), home_rank, 1, n_tok, k, dtype)
+        assert_close_to_ref(pure, plain, exact, f"pure {progs} {tok}")
         for i in range(4 * k):
             assert torch.equal(vout[i], vals[int(home_rank[i])][int(vpos[i])])
     want64 = torch.stack([sum(ref64[o][n_tok + t] for o in set(home_rank[t * k:(t + 1) * k]
                                                                    .tolist())) for t in range(4)])
-    assert_close_to_ref(out, peer_partial_sum(tuple(r.to(dtype) for r in ref64), home_rank, 1,
-                                              n_tok, k, dtype), want64)
+    assert_close_to_ref(out, _naive_partial_sum(tuple(r.to(dtype) for r in ref64), home_rank,
+                                                1, n_tok, k, dtype), want64)
 
 
 def test_fallbacks_agree_with_the_kernels():
@@ -147,17 +176,20 @@ def test_fallbacks_agree_with_the_kernels():
                                    num_programs=4)
     # float32 sums in the kernel: the rule against the float64 fallback, with the pure
     # function in float32 as plain PyTorch.
-    plain = peer_partial_sum(rows, home_rank, 1, 3, k, torch.float32)
-    assert_close_to_ref(kp.cpu(), plain.cpu(), p.cpu(), "pull_partials")
+    plain = _naive_partial_sum(rows, home_rank, 1, 3, k, torch.float32)
+    exact = _naive_partial_sum(tuple(r.double() for r in rows), home_rank, 1, 3, k,
+                               torch.float64)
+    assert_close_to_ref(kp.cpu(), plain.cpu(), exact.cpu(), "pull_partials")
+    torch.testing.assert_close(p, exact, rtol=0, atol=0)  # same sums in the same order
     assert torch.equal(pv, kpv)
     slots = torch.tensor([3, -1, 0, 5, 1, -1], dtype=torch.int32, device=DEV)
     out = write_slot_sums(torch.zeros(3, width, dtype=torch.float64, device=DEV),
                           rows[0].double(), slots, 2)
     kout = launch_slot_sum(rows[0], slots, 2, torch.zeros(3, width, device=DEV), num_programs=2)
-    plain = torch.zeros(3, width, device=DEV)
-    part = slot_sum(rows[0], slots, 2)
-    plain[:part.shape[0]] = part
-    assert_close_to_ref(kout.cpu(), plain.cpu(), out.cpu(), "slot_sum")
+    plain = _naive_slot_sum(rows[0], slots, 2)
+    exact = _naive_slot_sum(rows[0], slots, 2, dtype=torch.float64)
+    assert_close_to_ref(kout.cpu(), plain.cpu(), exact.cpu(), "slot_sum")
+    assert_close_to_ref(out.cpu(), plain.double().cpu(), exact.cpu(), "write_slot_sums")
 
 
 def test_peers_off_the_vector_width_are_read_row_by_row_not_misread():

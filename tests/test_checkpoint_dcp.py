@@ -170,6 +170,20 @@ def _save_ep2(rank, world, root):
         train(layer2, opt2, range(TRAIN, TRAIN + MORE), rank, world)
         assert_same(snapshot(layer2, opt2, rank, world), after, f"EP2 {kind} continued", True)
 
+    # The plain model-only recipe: dcp over layer.state_dict(), load_state_dict.
+    ref = torch.load(os.path.join(root, "group.pt"))["at_save"]
+    layer4, opt4 = fresh("group", rank, world)
+    layer5 = build("group", world)
+    set_from_full(layer5, rank)
+    train(layer5, new_opt(layer5), range(TRAIN), rank, world)
+    dcp.save({"model": layer5.state_dict()}, checkpoint_id=os.path.join(root, "plain"))
+    sd = {"model": layer4.state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(root, "plain"))
+    layer4.load_state_dict(sd["model"])
+    with torch.no_grad():
+        out = gather_rows(layer4(batch(99, rank, world)[0]), world)
+    assert torch.equal(out, ref["out"]), (out - ref["out"]).abs().max()
+
     # The process-group layer's checkpoint into the mesh layer: one placement, two forms.
     layer3, opt3 = fresh("mesh", rank, world)
     moe_dcp.load(os.path.join(root, "group"), layer3, opt3)

@@ -227,3 +227,72 @@ def test_dcp_save_reshard_and_continue(tmp_path):
     run_distributed(_save_ep2, 2, root)
     run_distributed(_load_elsewhere, 4, root)
     run_distributed(_load_elsewhere, 1, root)
+
+
+def full(t):
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
+def fsdp_snapshot(layer, opt, rank, world) -> dict:
+    with torch.no_grad():
+        out = layer(batch(99, rank, world)[0])
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out.contiguous())
+    snap = {"out": torch.cat(parts)}
+    for name, p in layer.named_parameters():
+        snap[name] = full(p)
+        for k in ("exp_avg", "exp_avg_sq"):
+            snap[f"{name}.{k}"] = full(opt.state[p][k])
+    return snap
+
+
+def fsdp_train(layer, opt, steps, rank, world) -> None:
+    """FSDP2 averages each rank's mean loss's gradients (the experts' by the whole
+    data-parallel size, fully_shard_moe's factor): the global batch's mean."""
+    for step in steps:
+        x, t = batch(step, rank, world)
+        loss = ((layer(x) - t) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def _fsdp_save(rank, world, root):
+    from moe_fn.parallel import fully_shard_moe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    layer = MoELayer(config(2), mesh["ep"], dtype=torch.float64)
+    set_from_full(layer, mesh["ep"].get_local_rank())
+    fully_shard_moe(layer, mesh)
+    opt = new_opt(layer)
+    fsdp_train(layer, opt, range(TRAIN), rank, world)
+    path = os.path.join(root, "fsdp")
+    moe_dcp.save(path, layer, opt)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for k in ("model.experts.gate_up_proj", "optim.state.experts.gate_up_proj.exp_avg"):
+        # Sharded over all four ranks: the chunks cover the tensor once, none is whole.
+        size = torch.Size(meta[k].size)
+        assert sum(torch.Size(c.sizes).numel() for c in meta[k].chunks) == size.numel(), k
+        assert all(torch.Size(c.sizes).numel() < size.numel() for c in meta[k].chunks), k
+    at_save = fsdp_snapshot(layer, opt, rank, world)
+    fsdp_train(layer, opt, range(TRAIN, TRAIN + MORE), rank, world)
+    after = fsdp_snapshot(layer, opt, rank, world)
+    if rank == 0:
+        torch.save({"at_save": at_save, "after": after}, os.path.join(root, "fsdp.pt"))
+
+
+def _fsdp_load_one(rank, world, root):
+    ref = torch.load(os.path.join(root, "fsdp.pt"))
+    layer, opt = fresh("group", rank, world)
+    moe_dcp.load(os.path.join(root, "fsdp"), layer, opt)
+    assert_same(snapshot(layer, opt, rank, world), ref["at_save"], "DP2xEP2 -> one", False)
+    train(layer, opt, range(TRAIN, TRAIN + MORE), rank, world)
+    assert_same(snapshot(layer, opt, rank, world), ref["after"], "DP2xEP2 continued", False)
+
+
+def test_fsdp2_dp2_ep2_checkpoint_into_one_process(tmp_path):
+    pytest.importorskip("moe_fn.parallel")
+    root = str(tmp_path)
+    run_distributed(_fsdp_save, 4, root)
+    run_distributed(_fsdp_load_one, 1, root)

@@ -128,6 +128,11 @@ class _ExpertsView(nn.Module):
     def _get(self, name):
         return getattr(getattr(self._block, self._experts_attr), name)
 
+    def forward(self, run, *args, **kwargs):
+        """The MoELayer runs its forward through the module holding its experts
+        (``run(*args, **kwargs)``, a ``RunWithExperts``)."""
+        return run(*args, **kwargs)
+
     @property
     def gate_up_proj(self):
         w = self._get("gate_up_proj")

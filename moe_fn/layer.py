@@ -23,6 +23,16 @@ from .comm.carveout import sm_count
 from .comm.groups import HoldsProcessGroups
 from .comm.sorted_rows import AllToAllExchange, LocalExchange
 from .config import MoEConfig
+from .placement import (
+    EXPERT_NAMES,
+    GuardedExperts,
+    ep_group_and_mesh,
+    experts_module_setup,
+    local,
+    prepare_fsdp_experts,
+    register_expert_state_hooks,
+    shard_experts,
+)
 from .pure.activations import resolve_layout
 from .pure.experts_fp8 import quantize_expert_weights
 from .records import RoutePlan
@@ -31,12 +41,16 @@ from .resources import RESOURCES
 from .skip_check import SkipContractError
 
 
-def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) -> Exchange:
+def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES, *,
+                  what: str = "process group") -> Exchange:
     """The exchange a config asks for, drawing on ``resources`` (the process's, by
-    default); group size is checked before any collective runs."""
+    default); group size is checked before any collective runs (``what`` names the group:
+    "process group", or "mesh" for a layer built on one)."""
     if config.comm_backend == "local":
         if process_group is not None and dist.get_world_size(process_group) != 1:
             n = dist.get_world_size(process_group)
+            if config.num_experts % n:
+                raise ValueError(_indivisible(what, n, config))
             raise ValueError(f"comm_backend='local' with a process group of {n} ranks: for "
                              f"expert parallelism over it set ep_size={n} and comm_backend="
                              "'all_to_all', 'symm_mem' or 'deepep' (moe_fn.hf.convert(model, "
@@ -49,8 +63,10 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
                            "initialised (dist.init_process_group) before the layer is built")
     size = dist.get_world_size(process_group)
     if size != config.ep_size:
-        raise ValueError(f"the process group has {size} ranks but ep_size is "
-                         f"{config.ep_size}: pass a group of {config.ep_size} ranks, or set "
+        if config.num_experts % size:
+            raise ValueError(_indivisible(what, size, config))
+        raise ValueError(f"the {what} has {size} ranks but ep_size is "
+                         f"{config.ep_size}: pass a {what} of {config.ep_size} ranks, or set "
                          f"ep_size={size}")
     if config.comm_backend == "symm_mem":
         from .comm.symm_mem import SymmMemExchange
@@ -64,6 +80,12 @@ def make_exchange(config: MoEConfig, process_group=None, resources=RESOURCES) ->
     return DeepEPExchange(num_experts=config.num_experts, group=process_group,
                           resources=resources, hidden_size=config.hidden_size,
                           num_sms=config.comm_num_sm)
+
+
+def _indivisible(what: str, size: int, config: MoEConfig) -> str:
+    return (f"the {what} has {size} ranks, which do not divide num_experts="
+            f"{config.num_experts}: each rank owns num_experts/ep_size experts; use a {what} "
+            f"whose size divides {config.num_experts} (and ep_size equal to it)")
 
 
 def make_route_plan(topk_idx: torch.Tensor, num_experts: int) -> RoutePlan:
@@ -93,36 +115,73 @@ class MoERouter(nn.Module):
             self.register_parameter("bias", None)
 
 
-class MoEExperts(nn.Module):
+class RunWithExperts:
+    """What a MoELayer hands the module holding its expert parameters to call: the layer's
+    forward, run as that module's forward so that the module's hooks (FSDP2's all-gather
+    before it and the gradients' reduce-scatter after its backward) surround everything that
+    reads the expert parameters."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class MoEExperts(GuardedExperts, nn.Module):
     """This rank's experts in Hugging Face's layout: ``gate_up_proj (E_local, 2I, H)``,
     ``down_proj (E_local, H, I)``; with ``config.expert_bias`` also
     ``gate_up_proj_bias (E_local, 2I)`` (packed as the weight) and
-    ``down_proj_bias (E_local, H)``.
+    ``down_proj_bias (E_local, H)``. Built on a DeviceMesh with ``ep_size > 1`` each is a
+    DTensor ``Shard(0)`` over it, of the whole ``(E, ...)`` shape, whose local tensor is
+    that slice (``moe_fn.placement``).
+
+    The MoELayer runs its forward as this module's (``experts(RunWithExperts(fn), ...)``),
+    so that module hooks on it (FSDP2's, where the experts are a unit of their own) wrap
+    every use of the parameters.
 
     MoELayer reads these four attributes on every call and passes them to the experts'
     autograd shell as they are, so a subclass (or ``moe_fn.hf``'s view) may serve
     views of other storage, e.g. GPT-OSS's ``(E, H, 2I)`` parameter as ``.transpose(1, 2)``:
     no copy is made and the gradients reach the viewed parameter."""
 
-    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None, mesh=None):
         super().__init__()
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype))
+        shapes = {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
         if config.expert_bias:
-            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, device=device,
-                                                              dtype=dtype))
-            self.down_proj_bias = nn.Parameter(torch.empty(e, h, device=device, dtype=dtype))
-        else:
-            self.register_parameter("gate_up_proj_bias", None)
-            self.register_parameter("down_proj_bias", None)
+            shapes.update(gate_up_proj_bias=(e, 2 * i), down_proj_bias=(e, h))
+        for name in EXPERT_NAMES:
+            if name not in shapes:
+                self.register_parameter(name, None)
+                continue
+            t = torch.empty(shapes[name], device=device, dtype=dtype)
+            if mesh is not None and config.ep_size > 1:
+                t = shard_experts(t, mesh, config.num_experts)
+            setattr(self, name, nn.Parameter(t))
+        experts_module_setup(self, config.ep_size)
+
+    def forward(self, run: RunWithExperts, *args, **kwargs):
+        """``run(*args, **kwargs)``: the MoELayer's forward with these experts."""
+        if not isinstance(run, RunWithExperts):
+            raise TypeError("MoEExperts is called by its MoELayer only (it holds the expert "
+                            "parameters; call the layer)")
+        prepare_fsdp_experts(self, self.__dict__.get("_moe_fn_ep_size", 1))
+        return run(*args, **kwargs)
 
 
 class MoELayer(HoldsProcessGroups, nn.Module):
     """A Mixture-of-Experts layer mapping ``(..., H)`` to ``(..., H)``.
 
-    Rank r of the expert-parallel group (``process_group``, default the world group when
-    ``config.ep_size > 1``) owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``.
+    Rank r of the expert-parallel group (``process_group``: a ProcessGroup, or a 1-D
+    DeviceMesh such as ``mesh["ep"]``; default the world group when ``config.ep_size > 1``)
+    owns the contiguous experts ``r*E/ep ... (r+1)*E/ep - 1``. On a mesh the expert
+    parameters are DTensors ``Shard(0)`` over it (FSDP2, distributed checkpoints and
+    ``moe_fn.parallel`` read their placement); on a process group they are plain tensors
+    holding the slice, and ``state_dict()`` gives them as DTensors over the group
+    (``moe_fn.placement``).
     Routing weights are applied where ``config.score_apply`` says; for ``"post"`` with
     ``impl="fused"`` they enter the combine's own sum where its exchange sums a token's
     rows (``Exchange.summation``): at home over the local and all_to_all exchanges (one
@@ -145,19 +204,28 @@ class MoELayer(HoldsProcessGroups, nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
-                            f"got {type(process_group).__name__} (device and dtype are "
-                            "keyword arguments: MoELayer(config, device=..., dtype=...))")
+        group, mesh = ep_group_and_mesh(process_group)
+        if mesh is not None and device is not None and \
+                torch.device(device).type not in (mesh.device_type, "meta"):
+            raise ValueError(f"the layer's device {device} is not its mesh's device type "
+                             f"{mesh.device_type!r}: build the mesh and the layer on one "
+                             "device type")
         self.config = config
-        self.process_group = process_group
+        self.process_group = group
+        # The expert-parallel mesh the layer was built on (None: a process group); its
+        # expert parameters are DTensors over it where ep_size > 1.
+        self.ep_mesh = mesh
         # The load-balancing losses' state and, with aux_loss_scope="group", the group
         # whose whole batch their counts cover.
         self.balance = LayerBalance(config, checks.balance_group(config, balance_group))
-        self.exchange = make_exchange(config, process_group)
+        self.exchange = make_exchange(config, group, what="process group" if mesh is None
+                                      else "mesh")
         self.router = MoERouter(config, device=device, dtype=dtype)
-        self.experts = MoEExperts(config, device=device, dtype=dtype)
+        self.experts = MoEExperts(config, device=device, dtype=dtype, mesh=mesh)
         self.reset_parameters()
+        if config.ep_size > 1:
+            register_expert_state_hooks(self, (f"experts.{n}" for n in EXPERT_NAMES[
+                :4 if config.expert_bias else 2]))
         # What the parameters and biases must be (the config is frozen: computed once).
         self._param_shapes = checks.expected_param_shapes(config)
         self._bias_spec = checks.expected_biases(config)
@@ -201,12 +269,13 @@ class MoELayer(HoldsProcessGroups, nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
+            # Each rank draws its own experts (a DTensor's local tensor), as on a group.
             for p in (self.router.weight, self.experts.gate_up_proj, self.experts.down_proj):
-                p.normal_(0.0, std)
+                local(p).normal_(0.0, std)
             for p in (self.router.bias, self.experts.gate_up_proj_bias,
                       self.experts.down_proj_bias, self.router.e_score_correction_bias):
                 if p is not None:
-                    p.zero_()
+                    local(p).zero_()
 
     def router_params(self, x2: torch.Tensor) -> tuple:
         """``(weight, bias)`` of the router's linear as ``route`` computes the logits of
@@ -243,12 +312,12 @@ class MoELayer(HoldsProcessGroups, nn.Module):
         themselves (a float32 master weight directly, never a cast that changes every
         call), and cast the biases where they add them."""
         ex = self.experts
-        biases = ((ex.gate_up_proj_bias, ex.down_proj_bias) if self.config.expert_bias
-                  else (None, None))
+        biases = ((local(ex.gate_up_proj_bias), local(ex.down_proj_bias))
+                  if self.config.expert_bias else (None, None))
+        gate_up, down = local(ex.gate_up_proj), local(ex.down_proj)
         if self.config.expert_precision == "fp8_rowwise":
-            return (ex.gate_up_proj, ex.down_proj, *biases)
-        return tuple(_cast(t, self._autocast_to) for t in (ex.gate_up_proj, ex.down_proj,
-                                                          *biases))
+            return (gate_up, down, *biases)
+        return tuple(_cast(t, self._autocast_to) for t in (gate_up, down, *biases))
 
     def expert_compute(self, rows, row_w, offs, *, post_weighting: bool = True, slot=None,
                        weights=None, x_rows=None):
@@ -477,6 +546,13 @@ class MoELayer(HoldsProcessGroups, nn.Module):
         if x.is_meta:
             raise ValueError(checks.META_DEVICE)
         seq_len = checks.sequence_length(x, seq_len, c)
+        # The rest runs as the forward of the module holding the expert parameters, inside
+        # its hooks (FSDP2 all-gathers them before, and reduce-scatters their gradients
+        # after the backward of, everything that reads them).
+        return self.experts(RunWithExperts(self._forward_checked), x, return_router_logits,
+                            seq_len)
+
+    def _forward_checked(self, x, return_router_logits, seq_len):
         amp = checks.autocast_dtype(x)
         checks.check_parameters(self, x, amp)
         if amp is not None:

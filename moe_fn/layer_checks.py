@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
+from .placement import local
 
 
 def takes_comm_sms(config: MoEConfig) -> bool:
@@ -62,7 +63,9 @@ def check_parameters(layer, x, amp=None) -> None:
     (``amp``, its dtype) each may also be float32, which the forward casts. The common
     case is a few comparisons (host time on every call); ``_explain_parameters`` says
     what differs."""
-    w, gu, dn = layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj
+    # The expert parameters as this rank computes with them (a DTensor's local tensor).
+    w, gu, dn = layer.router.weight, local(layer.experts.gate_up_proj), \
+        local(layer.experts.down_proj)
     b = layer.router.bias
     dt, dev = amp or x.dtype, x.device
     if amp is not None:  # the casts in route() and expert_weights() make them agree
@@ -88,7 +91,8 @@ def _check_biases(layer, router_bias, dtype, device, amp=None) -> None:
     is checked with the router weight's)."""
     ex = layer.experts
     found = (router_bias, layer.router.e_score_correction_bias,
-             getattr(ex, "gate_up_proj_bias", None), getattr(ex, "down_proj_bias", None))
+             local(getattr(ex, "gate_up_proj_bias", None)),
+             local(getattr(ex, "down_proj_bias", None)))
     expected = layer._bias_spec
     if all(t is None if shape is None else
            (t is not None and t.shape == shape and t.device == device

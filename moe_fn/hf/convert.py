@@ -148,11 +148,6 @@ class _ExpertsView(nn.Module):
         where the experts are a unit of their own)."""
         return getattr(self._block, self._experts_attr)(run, *args, **kwargs)
 
-    def forward(self, run, *args, **kwargs):
-        """The MoELayer runs its forward through the module holding its experts
-        (``run(*args, **kwargs)``, a ``RunWithExperts``)."""
-        return run(*args, **kwargs)
-
     @property
     def gate_up_proj(self):
         w = self._get("gate_up_proj")

@@ -38,7 +38,7 @@ def check(got, plain, ref64, what: str) -> None:
                                 [f"{what}[{i}]" for i in range(len(floats))])
 
 
-def stable_tokens(logits64, model, dtype) -> torch.Tensor:
+def stable_tokens(logits64, model, dtype, bias=None) -> torch.Tensor:
     """``(T,)`` bool: the tokens whose route no rounding of the logits in ``dtype`` can
     change (each logit moved by up to ``2 eps max|logit|``, twice a rounding at the token's
     largest logit): the k-th and next choice values, and with expert groups the chosen and
@@ -50,6 +50,8 @@ def stable_tokens(logits64, model, dtype) -> torch.Tensor:
         v = logits64.sort(-1, descending=True).values
         return v[:, k - 1] - v[:, k] > 2 * tol
     c = torch.sigmoid(logits64)  # moves by at most a quarter of the logits'
+    if bias is not None:  # the choice bias (the weights stay the scores)
+        c = c + bias.double()
     t, e = c.shape
     g, tg = r["n_group"], r["topk_group"]
     groups = c.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import moe_fn.kernels as ops
 from bench import harness, plain, shapes
+from bench.checks import check, f64, stable_tokens
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
 
@@ -31,6 +32,22 @@ def _route_kwargs(model):
     return {k: v for k, v in model.routing.items() if k != "score_correction_bias"}
 
 
+def _check(model, arm, got, logits_fn, x, bias):
+    """The arm's routes on the tokens no rounding can reroute: the experts as plain
+    PyTorch's, the weights by the tolerance rule against plain and float64."""
+    if got[0].is_floating_point():
+        w, idx = got
+    else:
+        idx, w = got
+    logits64 = logits_fn(f64(x))
+    s = stable_tokens(logits64, model, x.dtype, bias)
+    assert s.float().mean() > 0.25, "too few well-routed tokens to check the router"
+    pw, pidx = plain.route(logits_fn(x), model, bias)
+    rw, ridx = plain.route(logits64, model, bias)
+    assert torch.equal(idx[s].long(), ridx[s]) and torch.equal(pidx[s], ridx[s]), arm
+    check(w[s], pw[s], rw[s], arm)
+
+
 def _out_bytes(model):
     return model.tokens * model.top_k * (8 + 4)  # int64 indices, float32 weights
 
@@ -48,6 +65,7 @@ def test_router(measure, model, arm):
     else:
         def fn():
             return plain.route(logits, model, bias)
+    _check(model, arm, fn(), lambda t: t, logits, bias)
     measure(fn, shape=model.name, nbytes=logits.numel() * logits.element_size()
             + _out_bytes(model), flush_l2=True)
 
@@ -65,6 +83,8 @@ def test_router_linear(measure, model, arm):
     else:
         def fn():
             return plain.route(F.linear(x, weight), model, bias)
+    _check(model, arm, fn(), lambda t: F.linear(t, f64(weight) if t.dtype == torch.float64
+                                                else weight), x, bias)
     measure(fn, shape=model.name, flops=2 * model.tokens * model.hidden * model.experts,
             flush_l2=True,
             info={"fused_linear": ops.router_linear_supported(x, weight, None,

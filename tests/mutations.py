@@ -79,24 +79,11 @@ def _nan_in_tolerance_input(patch):
     patch(tol, "_triples", _triples)
 
 
-def _deepep_float32_rows():
-    """DeepEP's stand-in combining rows rounded to float32 (a float32 data path where only
-    the routing weights may be float32)."""
-    from tests import fake_deep_ep
-
-    real = fake_deep_ep.Buffer.combine
-
-    def combine(self, x, *a, **kw):
-        return real(self, x.to(torch.float32).to(x.dtype), *a, **kw)
-    fake_deep_ep.Buffer.combine = combine
-
-
 MUTATIONS = {
     "negated_output": _negated_output,
     "bf16_float32_path": _bf16_float32_path,
     "dropped_balance_term": _dropped_balance_term,
     "nan_in_tolerance_input": _nan_in_tolerance_input,
-    "deepep_float32_rows": _deepep_float32_rows,
 }
 
 

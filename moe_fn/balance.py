@@ -96,6 +96,9 @@ class LayerBalance(HoldsProcessGroups):
         self.last: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.steps = 0
+        # The group end_load_step sums the counts over by default (None: the world group);
+        # moe_fn.parallel.fully_shard_moe sets the whole data-parallel mesh's.
+        self.load_group = None
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -221,6 +224,11 @@ def end_load_step(model, *, group=None) -> dict[str, ExpertLoad]:
     Collective over ``group``: every rank calls it with the same layers. Returns
     :func:`expert_load`."""
     layers = _layers_or_refuse(model, "end_load_step")
+    if group is None:  # the group moe_fn.parallel.fully_shard_moe gave the layers
+        given = {id(g): g for g in (getattr(layer.balance, "load_group", None)
+                                    for _, layer in layers)}
+        if len(given) == 1:
+            group = next(iter(given.values()))
     group = _default_group(group)
     pending = [layer.balance.pending if layer.balance.pending is not None
                else _zeros_like_load(layer) for _, layer in layers]

@@ -119,7 +119,7 @@ def register_expert_state_hooks(module: nn.Module, keys) -> None:
     what the parameter takes: a DTensor into a plain slice (its local tensor where it is
     ``Shard(0)`` over the same ranks, else this rank's rows of its full tensor), a plain slice
     into a DTensor parameter's form."""
-    keys = tuple(keys)  # both hooks read them: a generator would reach the first only
+    keys = tuple(keys)  # read by both hooks: an iterator would serve only the first
     module.register_state_dict_post_hook(SaveExperts(keys))
     module.register_load_state_dict_pre_hook(LoadExperts(keys))
 

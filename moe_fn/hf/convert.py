@@ -44,9 +44,18 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from ..config import REMOVED_OPTIONS, MoEConfig, _positive_int
-from ..layer import MoELayer
+from ..layer import MoELayer, RunWithExperts
 from ..layer_checks import RefuseNonfiniteBias
 from ..layer_checks import balance_group as checked_balance_group
+from ..placement import (
+    GuardedExperts,
+    ep_group_and_mesh,
+    experts_module_setup,
+    local,
+    prepare_fsdp_experts,
+    register_expert_state_hooks,
+    shard_experts,
+)
 from ..pure.router import sorted_topk
 from ..replay import current_region, wrap_checkpoint
 from .aux_loss import AuxLossHooks, AuxLossTerm, computes_hf_aux_loss
@@ -126,12 +135,18 @@ class _ExpertsView(nn.Module):
         self._transposed = preset.transposed
 
     def _get(self, name):
-        return getattr(getattr(self._block, self._experts_attr), name)
+        # A DTensor parameter (a layer on a mesh) is read as this rank's shard.
+        return local(getattr(getattr(self._block, self._experts_attr), name))
+
+    @property
+    def holder(self) -> nn.Module:
+        """The HF experts module: where the parameters live (FSDP2 shards it)."""
+        return getattr(self._block, self._experts_attr)
 
     def forward(self, run, *args, **kwargs):
-        """The MoELayer runs its forward through the module holding its experts
-        (``run(*args, **kwargs)``, a ``RunWithExperts``)."""
-        return run(*args, **kwargs)
+        """The MoELayer's forward, run as the HF experts module's (inside its hooks: FSDP2's
+        where the experts are a unit of their own)."""
+        return getattr(self._block, self._experts_attr)(run, *args, **kwargs)
 
     @property
     def gate_up_proj(self):
@@ -150,6 +165,17 @@ class _ExpertsView(nn.Module):
     @property
     def down_proj_bias(self):
         return self._get("down_proj_bias")
+
+
+class _ConvertedExperts(GuardedExperts):
+    """Mixin for a converted block's HF experts module: called with a ``RunWithExperts`` it
+    runs the MoELayer's forward (``MoEExperts.forward``); otherwise HF's own forward."""
+
+    def forward(self, *args, **kwargs):
+        if args and isinstance(args[0], RunWithExperts):
+            prepare_fsdp_experts(self, self.__dict__.get("_moe_fn_ep_size", 1))
+            return args[0](*args[1:], **kwargs)
+        return super().forward(*args, **kwargs)
 
 
 class HFMoELayer(MoELayer):
@@ -643,8 +669,13 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
         lo = layer.ep_rank * n
         for name in _expert_params(config):
             full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.detach()[lo:lo + n].clone(),
-                                                requires_grad=full.requires_grad))
+            part = full.detach()[lo:lo + n].clone()
+            if layer.ep_mesh is not None:  # on a mesh: a DTensor Shard(0) over it
+                part = shard_experts(part, layer.ep_mesh, config.num_experts)
+            setattr(experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        # state_dict() says the slices are shards (DTensors), as MoELayer's does.
+        register_expert_state_hooks(block, [f"{preset.experts_attr}.{name}"
+                                            for name in _expert_params(config)])
     layer.train(block.training)
     block.__dict__["_moe_fn_layer"] = layer
     block.__dict__["_moe_fn_preset"] = preset
@@ -653,11 +684,13 @@ def _convert_block(block, preset: Preset, config: MoEConfig, process_group, ep_s
     if preset.bias_attr is not None:
         block.register_load_state_dict_pre_hook(RefuseNonfiniteBias(preset.bias_attr))
     router.__class__ = _subclass(_RecordingRouter, type(router))
+    experts.__class__ = _subclass(_ConvertedExperts, type(experts))
+    experts_module_setup(experts, ep_size)
     block.__class__ = _subclass(ConvertedBlock, type(block))
 
 
 def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: str | None = None,
-            moe_layer_pattern: str | None = None, balance_group=None,
+            moe_layer_pattern: str | None = None, balance_group=None, ep_mesh=None,
             **options) -> nn.Module:
     """Convert every sparse MoE block of a Hugging Face model in place; returns ``model``.
 
@@ -667,6 +700,9 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
     ep_size / process_group: expert parallelism over a group of ``ep_size`` ranks (default
     the world group); each rank keeps its slice of the experts, and ``comm_backend``
     defaults to "all_to_all" (``"local"`` for ep_size 1).
+    ep_mesh: instead of ``process_group``, a 1-D DeviceMesh (``mesh["ep"]``): the expert
+    parameters become DTensors ``Shard(0)`` over it (``moe_fn.placement``); ``ep_size``
+    defaults to its size.
     balance_group: with ``aux_loss_scope="group"``, the group whose whole batch the
     in-layer Switch loss counts (MoELayer's ``balance_group``; default the world group).
     transformers' own load-balancing loss (``output_router_logits`` with
@@ -695,6 +731,17 @@ def convert(model: nn.Module, *, process_group=None, ep_size: int = 1, preset: s
             raise TypeError(f"{name} must be a str or None, got {type(v).__name__}")
     p = resolve_preset(model, preset)
     _check_options(options, moe_layer_pattern, p)
+    if ep_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group or ep_mesh (a 1-D DeviceMesh), not "
+                             "both: the layers run on one expert-parallel group")
+        _, mesh = ep_group_and_mesh(ep_mesh, "ep_mesh")
+        if mesh is None:
+            raise TypeError(f"ep_mesh must be a 1-D DeviceMesh (e.g. mesh['ep']), got "
+                            f"{type(ep_mesh).__name__}: pass a ProcessGroup as process_group")
+        if ep_size == 1:
+            ep_size = mesh.size()
+        process_group = mesh
     _positive_int("ep_size", ep_size)
     text_config = _text_config(model.config)
     blocks = list(_find_blocks(model, p.cls("block"), moe_layer_pattern))
@@ -781,9 +828,9 @@ def gather_expert_state_dict(model: nn.Module, process_group=None) -> dict[str, 
             continue
         group = process_group if process_group is not None else layer.process_group
         experts = getattr(block, block.moe_preset.experts_attr)
-        local = getattr(experts, pname).detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(ep)]
-        dist.all_gather(parts, local, group=group)
+        mine = local(getattr(experts, pname)).detach().contiguous()
+        parts = [torch.empty_like(mine) for _ in range(ep)]
+        dist.all_gather(parts, mine, group=group)
         sd[key] = torch.cat(parts, dim=0)
     return sd
 

@@ -37,12 +37,25 @@ def _plain_expert_params(model: nn.Module) -> dict[int, MoELayer]:
     """``id(parameter) -> layer`` of the plain-slice expert parameters (layers on a process
     group with ``ep_size > 1``)."""
     found = {}
-    for m in model.modules():
+    params = {id(p) for p in model.parameters()}
+    for where, m in model.named_modules():
+        # A converted HF block holds its layer outside its submodules (``moe_layer``).
+        m = m if isinstance(m, MoELayer) else m.__dict__.get("_moe_fn_layer")
         if isinstance(m, MoELayer) and m.config.ep_size > 1 and m.ep_mesh is None:
             for name in EXPERT_NAMES:
                 p = getattr(m.experts, name, None)
-                if p is not None:
-                    found[id(p)] = m
+                if p is None:
+                    continue
+                if id(p) not in params:
+                    # Views of another module's parameters (a converted HF block): their
+                    # slices would be saved as one replicated tensor, rank 0's.
+                    raise ValueError(
+                        f"{where or 'the model'}: an expert-parallel layer on a process "
+                        f"group whose experts.{name} is a view of another parameter, whose "
+                        "placement moe_fn.dcp cannot give DCP: build it on a DeviceMesh "
+                        "(the layer's expert parameters are then DTensors), or export full "
+                        "tensors with moe_fn.hf.gather_expert_state_dict")
+                found[id(p)] = m
     return found
 
 
@@ -70,12 +83,20 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         get_optimizer_state_dict,
     )
 
-    out = {"model": get_model_state_dict(model)}
+    plain = _named_plain_experts(model)  # refuses layers it cannot place, before saving
+    msd = get_model_state_dict(model)
+    meshes = {}
+    for name, (p, layer) in plain.items():
+        # A module without moe_fn's state-dict hooks (a converted HF block) gives the slice.
+        v = msd.get(name)
+        if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape:
+            msd[name] = shard_experts(v, _group_mesh(layer, v.device.type, meshes),
+                                      layer.config.num_experts)
+    out = {"model": msd}
     if optimizer is None:
         return out
     osd = get_optimizer_state_dict(model, optimizer)
-    meshes = {}
-    for name, (p, layer) in _named_plain_experts(model).items():
+    for name, (p, layer) in plain.items():
         # A copy of the entry: torch's dict may be the optimizer's own per-parameter state.
         entry = osd["state"][name] = dict(osd["state"].get(name, {}))
         for k, v in entry.items():
@@ -108,14 +129,19 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         set_optimizer_state_dict,
     )
 
-    set_model_state_dict(model, state["model"])
+    plain = _named_plain_experts(model)
+    msd = dict(state["model"])
+    for name, (_, layer) in plain.items():
+        if isinstance(msd.get(name), DTensor):
+            msd[name] = _this_ranks_rows(msd[name], layer)
+    set_model_state_dict(model, msd)
     if optimizer is None:
         return
     if "optim" not in state:
         raise ValueError("set_state_dict: the state holds no optimizer ('optim'): pass "
                          "optimizer=None, or a state from get_state_dict(model, optimizer)")
     osd = state["optim"]
-    for name, (_, layer) in _named_plain_experts(model).items():
+    for name, (_, layer) in plain.items():
         entry = osd["state"][name] = dict(osd["state"].get(name, {}))
         for k, v in entry.items():
             if isinstance(v, DTensor):

@@ -6,6 +6,7 @@ layer and the mesh layer; a checkpoint of another config refused on every rank."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -199,6 +200,22 @@ def _save_ep2(rank, world, root):
         with pytest.raises(ValueError, match=rf"another model.*{field}.*build the model"):
             moe_dcp.load(os.path.join(root, "group"), other, new_opt(other))
     dist.barrier()  # every rank raised and is still in step
+
+    # A converted HF model on a process group: its expert slices given as DTensors of
+    # the full shape (not one replicated tensor); GPT-OSS's transposed views refused.
+    if importlib.util.find_spec("transformers") is not None:
+        from moe_fn.hf import convert, expert_parameter_names
+        from tests.hf.models import make_model
+
+        conv = convert(make_model("qwen3_moe", seed=rank), ep_size=world)
+        msd = moe_dcp.get_state_dict(conv)["model"]
+        names = expert_parameter_names(conv)
+        assert names and all(isinstance(msd[n], DTensor) and msd[n].shape[0] ==
+                             world * conv.get_parameter(n).shape[0] for n in names), names
+        conv = convert(make_model("gpt_oss", seed=rank), ep_size=world)
+        with pytest.raises(ValueError, match="view of another parameter.*DeviceMesh"):
+            moe_dcp.get_state_dict(conv)
+    dist.barrier()
 
 
 def _load_elsewhere(rank, world, root):

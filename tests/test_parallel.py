@@ -171,3 +171,35 @@ def _layout_body(rank, world, dp_mod_ep, ep):
 @pytest.mark.parametrize("dp_mod_ep, ep", [(2, 2), (1, 4), (2, 4), (4, 2)])
 def test_fully_shard_moe_trains_as_one_process(dp_mod_ep, ep):
     run_distributed(_layout_body, dp_mod_ep * ep, dp_mod_ep, ep)
+
+
+def _misuse_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    cfg = attrs.evolve(CFG, ep_size=2, comm_backend="all_to_all")
+    # A mesh whose size does not divide num_experts.
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    with pytest.raises(ValueError, match="do not divide num_experts=6"):
+        MoELayer(attrs.evolve(cfg, num_experts=6), flat)
+    # Experts left in the unit of an enclosing module: refused, not averaged as replicas.
+    # Plain slices (a layer on a process group): refused naming the recipe.
+    dp = mesh._flatten("dp")
+    with pytest.raises(ValueError, match="fully_shard_moe"):
+        fully_shard(Net(MoELayer(cfg, mesh["ep"].get_group())), mesh=dp)
+    # DTensors over the EP mesh: FSDP2 itself refuses the overlapping meshes.
+    with pytest.raises(RuntimeError, match="overlapping meshes"):
+        fully_shard(Net(MoELayer(cfg, mesh["ep"])), mesh=dp)
+    # A layer on a process group, or on a mesh that is not the FSDP mesh's "ep" dimension.
+    with pytest.raises(ValueError, match="process group"):
+        fully_shard_moe(Net(MoELayer(cfg, mesh["ep"].get_group())), mesh)
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp_shard_mod_ep"))
+    with pytest.raises(ValueError, match="not the FSDP mesh's expert dimension"):
+        fully_shard_moe(Net(MoELayer(cfg, transposed["ep"])), other)
+
+
+@pytest.mark.multiproc
+def test_fully_shard_moe_refuses_misuse_on_every_rank():
+    run_distributed(_misuse_body, 4)

@@ -87,7 +87,7 @@ def test_layer_rejects_a_non_config():
 def _group_size_mismatch(rank, world):
     cfg = MoEConfig(**BASE, comm_backend="all_to_all", ep_size=4)
     with pytest.raises(ValueError, match="process group has 2 ranks but ep_size is 4: pass "
-                       "a group of 4 ranks, or set ep_size=2"):
+                       "a process group of 4 ranks, or set ep_size=2"):
         MoELayer(cfg)
     # The local exchange over a group of several ranks: the fix is ep_size, not only the
     # backend (which alone would fail on ep_size next).

@@ -42,10 +42,17 @@ def _check(model, arm, got, logits_fn, x, bias):
     logits64 = logits_fn(f64(x))
     s = stable_tokens(logits64, model, x.dtype, bias)
     assert s.float().mean() > 0.25, "too few well-routed tokens to check the router"
-    pw, pidx = plain.route(logits_fn(x), model, bias)
-    rw, ridx = plain.route(logits64, model, bias)
-    assert torch.equal(idx[s].long(), ridx[s]) and torch.equal(pidx[s], ridx[s]), arm
+    # A route is a set of experts: order each token's choices by expert, since equal
+    # logits (common in bf16) among the chosen may come in either order.
+    (w, idx), (pw, pidx), (rw, ridx) = (_by_expert(*r) for r in (
+        (w, idx), plain.route(logits_fn(x), model, bias), plain.route(logits64, model, bias)))
+    assert torch.equal(idx[s], ridx[s]) and torch.equal(pidx[s], ridx[s]), arm
     check(w[s], pw[s], rw[s], arm)
+
+
+def _by_expert(w, idx):
+    order = idx.long().argsort(-1)
+    return w.gather(-1, order), idx.long().gather(-1, order)
 
 
 def _out_bytes(model):

@@ -1,0 +1,169 @@
+"""Converted Hugging Face models under moe_fn.parallel.fully_shard_moe (FSDP2 over gloo):
+Qwen3-MoE and DeepSeek-V3, their MoE blocks on mesh["ep"], train for several steps (SGD,
+the global-norm clip) as one process training the unconverted model on every rank's batch
+(the mean of their losses): every step's loss, gradients and clip norm, and the
+parameters after the steps, by the tolerance rule against the float64 twin with plain
+float32 PyTorch the yardstick. DP2 x EP2 on 4 processes (also with decoder layers as
+units of their own, and FSDP2's MixedPrecisionPolicy: the experts compute in bfloat16
+too), DP4 x EP2 on 8."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from moe_fn.hf import convert
+from moe_fn.parallel import clip_grad_norm_, experts_holder, fully_shard_moe
+from tests.dist_utils import run_distributed
+from tests.hf.models import Parity, batch, float64_twin, keep_float64, make_model
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, LR = 3, 0.1
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False).loss
+
+
+def _mesh(replicas, ep):
+    return init_device_mesh("cpu", (replicas, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+
+
+def _train(name, mesh, per_block=False):
+    """``STEPS`` steps of the converted model under fully_shard_moe against the HF model
+    (float32, float64) on every rank's batch; every rank runs the oracle (the same
+    computation on each: the same clip threshold everywhere)."""
+    world = mesh.size()
+    dp_rank = mesh._flatten("dp").get_local_rank()
+    ref = make_model(name)
+    twin = float64_twin(ref)
+    model = convert(copy.deepcopy(ref), ep_mesh=mesh["ep"])
+    dense = list(model.model.layers) if per_block else ()
+    fully_shard_moe(model, mesh, dense_modules=dense)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, ref, twin)]
+    data = [batch(seed=r)[0] for r in range(world)]
+    tag = f"{name} DP{mesh.size(0)}xEP{mesh.size(1)}{' per block' if per_block else ''}"
+    parity = Parity(tag)
+    for step in range(STEPS):
+        want = sum(_loss(ref, ids) for ids in data) / world
+        want.backward()
+        with keep_float64():
+            want64 = sum(_loss(twin, ids) for ids in data) / world
+            want64.backward()
+        before = [(p.grad.clone(), p64.grad.clone())
+                  for p, p64 in zip(ref.parameters(), twin.parameters())]
+        norm64 = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+        max_norm = 0.5 * float(norm64)  # the clip scales every step
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+
+        loss = _loss(model, data[dp_rank])
+        loss.backward()
+        grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        got_norm = clip_grad_norm_(model.parameters(), max_norm)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        parity.add(f"step {step} loss", mean / world, want.detach(), want64.detach())
+        parity.add(f"step {step} clip norm", got_norm, norm, norm64)
+        for (n, _), (g, g64) in zip(ref.named_parameters(), before):
+            parity.add(f"step {step} grad {n}", grads[n], g, g64)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    mine = dict(model.named_parameters())
+    for (n, p), p64 in zip(ref.named_parameters(), twin.parameters()):
+        parity.add(f"param {n}", _full(mine[n]).detach(), p.detach(), p64.detach())
+    parity.check()
+    # Each expert tensor is split over every data-parallel rank (1/DP of it here).
+    experts = [p for _, layer in _layers(model) for p in
+               experts_holder(layer).parameters(recurse=False)]
+    assert experts and all(p.to_local().numel() * world == p.numel() for p in experts), tag
+
+
+def _layers(model):
+    from moe_fn.balance import moe_layers
+
+    return moe_layers(model)
+
+
+def _mixed_precision(mesh):
+    """MixedPrecisionPolicy(bfloat16 params, float32 reduction) reaches the experts' own
+    units: their forward sees bfloat16 weights and inputs and returns bfloat16; one step's
+    loss and gradients (float32, reduced in float32) against the HF model in bfloat16
+    (plain) and float64 on every rank's batch."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    world = mesh.size()
+    dp_rank = mesh._flatten("dp").get_local_rank()
+    ref = make_model("qwen3_moe")
+    twin = float64_twin(ref)
+    plain = copy.deepcopy(ref).bfloat16()
+    model = convert(copy.deepcopy(ref), ep_mesh=mesh["ep"])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard_moe(model, mesh, mp_policy=policy)
+    seen = []
+
+    def floats(ts):
+        return [t.dtype for t in ts if torch.is_tensor(t) and t.is_floating_point()]
+
+    def before(module, args):  # after FSDP's pre-forward: the unsharded weights
+        seen.append([module.gate_up_proj.dtype, module.down_proj.dtype, *floats(args)])
+
+    def after(module, args, out):
+        seen[-1] += floats(out if isinstance(out, tuple) else (out,))
+
+    for _, layer in _layers(model):
+        experts_holder(layer).register_forward_pre_hook(before)
+        experts_holder(layer).register_forward_hook(after)
+    data = [batch(seed=r)[0] for r in range(world)]
+    loss = _loss(model, data[dp_rank])
+    loss.backward()
+    assert len(seen) == len(_layers(model)) and all(
+        len(s) >= 4 and set(s) == {torch.bfloat16} for s in seen), seen
+    want = sum(_loss(plain, ids) for ids in data) / world
+    want.backward()
+    with keep_float64():
+        want64 = sum(_loss(twin, ids) for ids in data) / world
+        want64.backward()
+    parity = Parity("qwen3_moe DP2xEP2 bfloat16")
+    mean = loss.detach().float()
+    dist.all_reduce(mean)
+    parity.add("loss", mean / world, want.detach(), want64.detach())  # HF upcasts it
+    mine = dict(model.named_parameters())
+    for (n, p), p64 in zip(plain.named_parameters(), twin.parameters()):
+        got = _full(mine[n].grad)
+        assert got.dtype == torch.float32, n  # reduced in float32 into float32 shards
+        parity.add(f"grad {n}", got.bfloat16(), p.grad, p64.grad)
+    parity.check()
+
+
+def _four(rank, world):
+    mesh = _mesh(2, 2)
+    _train("qwen3_moe", mesh)
+    _train("deepseek_v3", mesh, per_block=True)
+    _mixed_precision(mesh)
+    dist.barrier()
+
+
+def _eight(rank, world):
+    _train("qwen3_moe", _mesh(4, 2))
+    dist.barrier()
+
+
+def test_converted_models_train_under_fully_shard_moe_dp2xep2_and_bfloat16():
+    run_distributed(_four, 4)
+
+
+def test_converted_model_trains_under_fully_shard_moe_dp4xep2():
+    run_distributed(_eight, 8)

@@ -41,50 +41,56 @@ def _mesh(replicas, ep):
 
 def _train(name, mesh, per_block=False):
     """``STEPS`` steps of the converted model under fully_shard_moe against the HF model
-    (float32, float64) on every rank's batch; every rank runs the oracle (the same
-    computation on each: the same clip threshold everywhere)."""
+    (float32, float64) on every rank's batch, run and checked by the first rank, which
+    sends the others each step's clip threshold (half the float64 norm: the clip acts)."""
     world = mesh.size()
     dp_rank = mesh._flatten("dp").get_local_rank()
+    lead = dp_rank == 0
     ref = make_model(name)
-    twin = float64_twin(ref)
+    twin = float64_twin(ref) if lead else None
     model = convert(copy.deepcopy(ref), ep_mesh=mesh["ep"])
     dense = list(model.model.layers) if per_block else ()
     fully_shard_moe(model, mesh, dense_modules=dense)
-    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, ref, twin)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, ref, twin) if m]
     data = [batch(seed=r)[0] for r in range(world)]
     tag = f"{name} DP{mesh.size(0)}xEP{mesh.size(1)}{' per block' if per_block else ''}"
     parity = Parity(tag)
     for step in range(STEPS):
-        want = sum(_loss(ref, ids) for ids in data) / world
-        want.backward()
-        with keep_float64():
-            want64 = sum(_loss(twin, ids) for ids in data) / world
-            want64.backward()
-        before = [(p.grad.clone(), p64.grad.clone())
-                  for p, p64 in zip(ref.parameters(), twin.parameters())]
-        norm64 = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
-        max_norm = 0.5 * float(norm64)  # the clip scales every step
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+        max_norm = torch.zeros((), dtype=torch.float64)
+        if lead:
+            want = sum(_loss(ref, ids) for ids in data) / world
+            want.backward()
+            with keep_float64():
+                want64 = sum(_loss(twin, ids) for ids in data) / world
+                want64.backward()
+            before = [(p.grad.clone(), p64.grad.clone())
+                      for p, p64 in zip(ref.parameters(), twin.parameters())]
+            norm64 = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+            max_norm.fill_(0.5 * float(norm64))
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float(max_norm))
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), float(max_norm))
+        dist.broadcast(max_norm, src=0)
 
         loss = _loss(model, data[dp_rank])
         loss.backward()
         grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()
                  if p.grad is not None}
-        got_norm = clip_grad_norm_(model.parameters(), max_norm)
+        got_norm = clip_grad_norm_(model.parameters(), float(max_norm))
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        parity.add(f"step {step} loss", mean / world, want.detach(), want64.detach())
-        parity.add(f"step {step} clip norm", got_norm, norm, norm64)
-        for (n, _), (g, g64) in zip(ref.named_parameters(), before):
-            parity.add(f"step {step} grad {n}", grads[n], g, g64)
+        if lead:
+            parity.add(f"step {step} loss", mean / world, want.detach(), want64.detach())
+            parity.add(f"step {step} clip norm", got_norm, norm, norm64)
+            for (n, _), (g, g64) in zip(ref.named_parameters(), before):
+                parity.add(f"step {step} grad {n}", grads[n], g, g64)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    mine = dict(model.named_parameters())
-    for (n, p), p64 in zip(ref.named_parameters(), twin.parameters()):
-        parity.add(f"param {n}", _full(mine[n]).detach(), p.detach(), p64.detach())
-    parity.check()
+    final = {n: _full(p).detach() for n, p in model.named_parameters()}
+    if lead:
+        for (n, p), p64 in zip(ref.named_parameters(), twin.parameters()):
+            parity.add(f"param {n}", final[n], p.detach(), p64.detach())
+        parity.check()
     # Each expert tensor is split over every data-parallel rank (1/DP of it here).
     experts = [p for _, layer in _layers(model) for p in
                experts_holder(layer).parameters(recurse=False)]

@@ -3,9 +3,10 @@ Qwen3-MoE and DeepSeek-V3, their MoE blocks on mesh["ep"], train for several ste
 the global-norm clip) as one process training the unconverted model on every rank's batch
 (the mean of their losses): every step's loss, gradients and clip norm, and the
 parameters after the steps, by the tolerance rule against the float64 twin with plain
-float32 PyTorch the yardstick. DP2 x EP2 on 4 processes (also with decoder layers as
-units of their own, and FSDP2's MixedPrecisionPolicy: the experts compute in bfloat16
-too), DP4 x EP2 on 8."""
+float32 PyTorch the yardstick; HF's own load-balancing loss included (each rank's batch's,
+as the oracle's mean of the batches' losses has it). DP2 x EP2 on 4 processes (also with
+decoder layers as units of their own, and FSDP2's MixedPrecisionPolicy: the experts
+compute in bfloat16 too), DP4 x EP2 and DP2 x EP4 on 8."""
 
 from __future__ import annotations
 
@@ -164,6 +165,7 @@ def _four(rank, world):
 
 def _eight(rank, world):
     _train("qwen3_moe", _mesh(4, 2))
+    _train("deepseek_v3", _mesh(2, 4))
     dist.barrier()
 
 
@@ -171,5 +173,5 @@ def test_converted_models_train_under_fully_shard_moe_dp2xep2_and_bfloat16():
     run_distributed(_four, 4)
 
 
-def test_converted_model_trains_under_fully_shard_moe_dp4xep2():
+def test_converted_models_train_under_fully_shard_moe_dp4xep2_and_dp2xep4():
     run_distributed(_eight, 8)

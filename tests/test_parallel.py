@@ -77,6 +77,7 @@ def _full(t):
 
 def _layout_body(rank, world, dp_mod_ep, ep):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     if dp_mod_ep == 1:
         mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
@@ -101,7 +102,9 @@ def _layout_body(rank, world, dp_mod_ep, ep):
         for name in EXPERTS:
             local(getattr(net.moe.experts, name)).copy_(getattr(params, name)[r * n:(r + 1) * n])
     assert isinstance(net.moe.experts.gate_up_proj, torch.distributed.tensor.DTensor)
-    fully_shard_moe(net, mesh)
+    # EP == DP: the MoE layer as a dense unit of its own (its experts left out of it).
+    fully_shard_moe(net, mesh, dense_modules=[net.moe] if dp_mod_ep == 1 else ())
+    assert isinstance(net.moe, FSDPModule) == (dp_mod_ep == 1)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     refs = {dt: RefNet(params, dense, dt) for dt in (torch.float32, torch.float64)}
     ref_opts = {dt: torch.optim.Adam(m.parameters(), lr=LR) for dt, m in refs.items()}

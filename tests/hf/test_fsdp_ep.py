@@ -6,7 +6,7 @@ parameters after the steps, by the tolerance rule against the float64 twin with 
 float32 PyTorch the yardstick; HF's own load-balancing loss included (each rank's batch's,
 as the oracle's mean of the batches' losses has it). DP2 x EP2 on 4 processes (also with
 decoder layers as units of their own, and FSDP2's MixedPrecisionPolicy: the experts
-compute in bfloat16 too), DP4 x EP2 and DP2 x EP4 on 8."""
+compute in bfloat16 too; and the refusals), DP4 x EP2 and DP2 x EP4 on 8."""
 
 from __future__ import annotations
 
@@ -155,8 +155,38 @@ def _mixed_precision(mesh):
     parity.check()
 
 
+def _refusals(mesh):
+    """Each on every rank, before any collective."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=8, intermediate_size=24,
+                                      moe_intermediate_size=8, num_experts=3,
+                                      num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"ep_size \(2\) must divide num_experts \(3\)"):
+        convert(transformers.Qwen3MoeForCausalLM(cfg), ep_mesh=mesh["ep"])
+    with pytest.raises(ValueError, match=r"must be 1-D.*mesh\['ep'\]"):
+        convert(make_model("qwen3_moe"), ep_mesh=mesh)
+    # A block's experts module given alone: its DTensors would land in the dense unit.
+    model = convert(make_model("qwen3_moe"), ep_mesh=mesh["ep"])
+    with pytest.raises(ValueError, match=r"gate_up_proj: a DTensor parameter.*dense FSDP "
+                                         r"unit.*'dp_shard_mod_ep'"):
+        fully_shard_moe(model.model.layers[0].mlp.experts, mesh)
+    # torch's fully_shard of the whole model: over the replicas alone, moe_fn's error;
+    # over the data-parallel mesh, FSDP2's own, before any moe_fn code runs.
+    with pytest.raises(ValueError, match="enclosing module.*fully_shard_moe"):
+        fully_shard(convert(make_model("qwen3_moe"), ep_mesh=mesh["ep"]),
+                    mesh=mesh["dp_shard_mod_ep"])
+    with pytest.raises(RuntimeError, match="overlapping meshes"):
+        fully_shard(convert(make_model("qwen3_moe"), ep_mesh=mesh["ep"]),
+                    mesh=mesh._flatten("dp"))
+
+
 def _four(rank, world):
     mesh = _mesh(2, 2)
+    _refusals(mesh)
     _train("qwen3_moe", mesh)
     _train("deepseek_v3", mesh, per_block=True)
     _mixed_precision(mesh)
@@ -169,7 +199,7 @@ def _eight(rank, world):
     dist.barrier()
 
 
-def test_converted_models_train_under_fully_shard_moe_dp2xep2_and_bfloat16():
+def test_converted_models_train_under_fully_shard_moe_dp2xep2_bfloat16_and_refusals():
     run_distributed(_four, 4)
 
 

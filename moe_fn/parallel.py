@@ -8,7 +8,8 @@ MoE layer built on ``mesh["ep"]`` (``MoELayer(config, mesh["ep"])``,
 - each layer's experts are an FSDP unit of their own over ``dp_shard_mod_ep`` (the ranks
   holding the same experts), their gradients divided by the whole ``DP``: the exchange's
   backward already summed every expert-parallel rank's tokens into them;
-- everything else is one unit over the whole data-parallel mesh (the flattened 2-D mesh);
+- everything else is one unit over the whole data-parallel mesh (the flattened 2-D mesh),
+  or, with ``dense_modules`` (a transformer's blocks), one unit per block and the root;
 - each layer's expert-load counts (and so DeepSeek-V3's bias update) reduce over the whole
   data-parallel mesh by default: every replica of a layer holds the same bias.
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from moe_fn.balance import moe_layers
 from moe_fn.hf import convert
 from moe_fn.parallel import clip_grad_norm_, experts_holder, fully_shard_moe
 from tests.dist_utils import run_distributed
@@ -93,15 +94,9 @@ def _train(name, mesh, per_block=False):
             parity.add(f"param {n}", final[n], p.detach(), p64.detach())
         parity.check()
     # Each expert tensor is split over every data-parallel rank (1/DP of it here).
-    experts = [p for _, layer in _layers(model) for p in
+    experts = [p for _, layer in moe_layers(model) for p in
                experts_holder(layer).parameters(recurse=False)]
     assert experts and all(p.to_local().numel() * world == p.numel() for p in experts), tag
-
-
-def _layers(model):
-    from moe_fn.balance import moe_layers
-
-    return moe_layers(model)
 
 
 def _mixed_precision(mesh):
@@ -130,13 +125,13 @@ def _mixed_precision(mesh):
     def after(module, args, out):
         seen[-1] += floats(out if isinstance(out, tuple) else (out,))
 
-    for _, layer in _layers(model):
+    for _, layer in moe_layers(model):
         experts_holder(layer).register_forward_pre_hook(before)
         experts_holder(layer).register_forward_hook(after)
     data = [batch(seed=r)[0] for r in range(world)]
     loss = _loss(model, data[dp_rank])
     loss.backward()
-    assert len(seen) == len(_layers(model)) and all(
+    assert len(seen) == len(moe_layers(model)) and all(
         len(s) >= 4 and set(s) == {torch.bfloat16} for s in seen), seen
     want = sum(_loss(plain, ids) for ids in data) / world
     want.backward()

@@ -65,3 +65,22 @@ def test_ep_torchrun_matches_one_process():
     for counter in ("layout", "dispatch"):
         assert re.search(rf"'{counter}': 3\b", out), out
     _check_parity("EP2 vs one process", out)
+
+
+@pytest.mark.multiproc
+def test_fsdp_ep_torchrun_trains_saves_and_reloads():
+    out = _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               os.path.join(EXAMPLES, "fsdp_ep_torchrun.py"), "--steps", "2", "--tokens", "16",
+               "--device", "cpu", timeout=300)
+    losses = re.findall(r"^step\s+\d+\s+loss (\d+\.\d+)$", out, re.M)
+    assert len(losses) == 2, out
+    # DP4 = 2 x EP2 under fully_shard_moe: each rank holds a quarter of every expert
+    # tensor and of its Adam states.
+    found = re.search(r"mesh \(2, 2\) \('dp_shard_mod_ep', 'ep'\), fully_shard_moe: expert "
+                      r"params per rank (\d+) \+ Adam states (\d+) \(all experts: (\d+) \+ "
+                      r"(\d+)\)", out)
+    assert found, out
+    mine, adam, full, full_adam = map(int, found.groups())
+    assert mine * 4 == full and adam * 4 == full_adam == 2 * full, out
+    assert ("DCP save and load into a fresh layer: outputs identical on every rank; after "
+            "one more step of each: identical") in out, out

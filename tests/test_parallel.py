@@ -77,6 +77,7 @@ def _full(t):
 
 def _layout_body(rank, world, dp_mod_ep, ep):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     if dp_mod_ep == 1:
         mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
@@ -101,7 +102,9 @@ def _layout_body(rank, world, dp_mod_ep, ep):
         for name in EXPERTS:
             local(getattr(net.moe.experts, name)).copy_(getattr(params, name)[r * n:(r + 1) * n])
     assert isinstance(net.moe.experts.gate_up_proj, torch.distributed.tensor.DTensor)
-    fully_shard_moe(net, mesh)
+    # EP == DP: the MoE layer as a dense unit of its own (its experts left out of it).
+    fully_shard_moe(net, mesh, dense_modules=[net.moe] if dp_mod_ep == 1 else ())
+    assert isinstance(net.moe, FSDPModule) == (dp_mod_ep == 1)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     refs = {dt: RefNet(params, dense, dt) for dt in (torch.float32, torch.float64)}
     ref_opts = {dt: torch.optim.Adam(m.parameters(), lr=LR) for dt, m in refs.items()}
@@ -188,9 +191,22 @@ def _misuse_body(rank, world):
     dp = mesh._flatten("dp")
     with pytest.raises(ValueError, match="fully_shard_moe"):
         fully_shard(Net(MoELayer(cfg, mesh["ep"].get_group())), mesh=dp)
-    # DTensors over the EP mesh: FSDP2 itself refuses the overlapping meshes.
+    # DTensors over the EP mesh under torch's own fully_shard of the whole model: FSDP2
+    # refuses the overlapping meshes while it builds its shards, before any module hook.
     with pytest.raises(RuntimeError, match="overlapping meshes"):
         fully_shard(Net(MoELayer(cfg, mesh["ep"])), mesh=dp)
+    # Through fully_shard_moe: expert DTensors whose layer it is not given (the experts
+    # module alone) would land in the dense unit over the data-parallel mesh: named.
+    with pytest.raises(ValueError, match=r"moe\.gate_up_proj.*dense FSDP unit.*"
+                                         r"overlapping.*'dp_shard_mod_ep'.*fully_shard_moe"):
+        fully_shard_moe(nn.ModuleDict({"moe": MoELayer(cfg, mesh["ep"]).experts}), mesh)
+    # Dense units: only the model's own modules, never a layer's experts module.
+    net = Net(MoELayer(cfg, mesh["ep"]))
+    with pytest.raises(ValueError, match="not a submodule of the model"):
+        fully_shard_moe(net, mesh, dense_modules=[nn.Linear(H, H)])
+    with pytest.raises(ValueError, match=r"dense_modules\[0\] \(moe.experts\) holds the "
+                                         "experts.*unit of their own"):
+        fully_shard_moe(net, mesh, dense_modules=[net.moe.experts])
     # A layer on a process group, or on a mesh that is not the FSDP mesh's "ep" dimension.
     with pytest.raises(ValueError, match="process group"):
         fully_shard_moe(Net(MoELayer(cfg, mesh["ep"].get_group())), mesh)

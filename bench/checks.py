@@ -236,3 +236,22 @@ def linear_route(x, weight, model, bias=None):
     from .plain import route
 
     return route(torch.nn.functional.linear(x, weight), model, bias)[1]
+
+
+def stable_route(x, router, model):
+    """``(stable (T,) bool, route64 (T, k))``: the tokens whose route no rounding of the
+    logits ``x @ router^T`` in ``x``'s dtype can change (``stable_tokens``) and the float64
+    route (``plain.route``), each token's experts in ascending order."""
+    from .plain import route
+
+    logits64 = torch.nn.functional.linear(*f64(x.detach(), router.detach()))
+    stable = stable_tokens(logits64, model, x.dtype)
+    assert stable.float().mean() > 0.25, "too few well-routed tokens to check the routes"
+    return stable, route(logits64, model)[1].sort(-1).values
+
+
+def assert_route(arm, idx, stable, route64) -> None:
+    """The arm's route ``idx (T, k)`` on the ``stable`` tokens as ``route64`` (``stable_route``),
+    as sets of experts: equal logits among the chosen come in either order."""
+    assert torch.equal(idx[stable].long().sort(-1).values, route64[stable]), \
+        f"{arm}: a token routed otherwise than float64 where no rounding can change it"

@@ -62,11 +62,16 @@ def test_checkpointed_layer(measure, model, arm):
                   info={"tokens": model.tokens})
     if arm == "moe_fn-skip":
         assert layer.exchange.counters["combine_skipped"] > 0
-    # One round's output and gradients against float64 formulas on the layer's route.
+    # The route against float64's where no rounding can change it; one round's output and
+    # gradients against float64 formulas on the layer's route.
     weights = [p.detach() for p in (layer.router.weight, layer.experts.gate_up_proj,
                                     layer.experts.down_proj)]
-    with torch.no_grad():
-        idx = layer.route(x.detach())[1]
-    checks.once((model.name, arm), lambda: checks.check_layer(
-        arm, got, idx, weights, checks.plain_layer(model), model, x.detach(), dy,
-        residual=True, memo_key=("checkpointed layer", model.name)))
+
+    def check():
+        with torch.no_grad():
+            idx = layer.route(x.detach())[1]
+        checks.assert_route(arm, idx, *checks.stable_route(x, weights[0], model))
+        checks.check_layer(arm, got, idx, weights, checks.plain_layer(model), model,
+                           x.detach(), dy, residual=True,
+                           memo_key=("checkpointed layer", model.name))
+    checks.once((model.name, arm), check)

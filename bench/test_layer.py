@@ -93,23 +93,30 @@ def results(d, arm, backward):
 
 
 def check_arm(model, d, arm, got):
-    """The arm's results ``got`` (``results``; one benchmark round's) against the float64
-    formulas on its route, once per process (``bench.checks``)."""
-    x = d["x"].detach()
-    with torch.no_grad():
-        idx = d["routes"][arm](x)
-    fp8 = MOE_FN_ARMS.get(arm, {}).get("expert_precision") is not None
-    checks.once((model.name, arm, len(got) > 1), lambda: checks.check_layer(
-        arm, [t.detach() for t in got], idx, d["weights"], d["plain_arm"], model, x, d["dy"],
-        fp8=fp8, memo_key=("layer", model.name)))
+    """The arm's results ``got`` (``results``; one benchmark round's), once per process: its
+    route on the tokens no rounding of the logits can reroute (``checks.stable_tokens``) as
+    float64's, and its output and gradients against the float64 formulas on its own route
+    (``bench.checks.check_layer``)."""
+    def run():
+        x = d["x"].detach()
+        with torch.no_grad():
+            idx = d["routes"][arm](x)
+        checks.assert_route(arm, idx, d["stable"], d["route64"])
+        fp8 = MOE_FN_ARMS.get(arm, {}).get("expert_precision") is not None
+        checks.check_layer(arm, [t.detach() for t in got], idx, d["weights"], d["plain_arm"],
+                           model, x, d["dy"], fp8=fp8, memo_key=("layer", model.name))
+    checks.once((model.name, arm, len(got) > 1), run)
 
 
 def inputs(model, d):
-    """An input, its output gradient and the plain layer's output."""
+    """An input, its output gradient, the plain layer's output, and the float64 route (each
+    token's experts in order) with the tokens no rounding of the logits can reroute."""
     x = harness.randn(model.tokens, model.hidden, seed=4).requires_grad_()
     with torch.no_grad():
         ref = d["fns"]["torch"](x).float()
-    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=ref)
+        stable, route64 = checks.stable_route(x, d["weights"][0], model)
+    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=ref,
+                stable=stable, route64=route64)
 
 
 def rel_diff(out, ref) -> float:

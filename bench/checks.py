@@ -62,31 +62,52 @@ def check(got, plain, ref64, what: str) -> None:
                                 [f"{what}[{i}]" for i in range(len(floats))])
 
 
-def stable_tokens(logits64, model, dtype, bias=None) -> torch.Tensor:
-    """``(T,)`` bool: the tokens whose route no rounding of the logits in ``dtype`` can
-    change (each logit moved by up to ``2 eps max|logit|``, twice a rounding at the token's
-    largest logit): the k-th and next choice values, and with expert groups the chosen and
-    next group's scores, further apart than their moves. An arm's output is compared with
-    float64 there only; elsewhere a near tie may route either way at any precision."""
-    tol = 2 * torch.finfo(dtype).eps * logits64.abs().amax(-1)
+def stable_tokens(logits64, model, dtype, bias=None, abs_logits64=None) -> torch.Tensor:
+    """``(T,)`` bool: the tokens whose route no computation of the logits in ``dtype`` can
+    change, by interval bounds. A logit computed in ``dtype`` (float32 accumulation rounded
+    once to ``dtype``, or kept in float32) is within half a step of ``dtype`` of float64's
+    plus the accumulation's error, a few float32 steps of ``|x| @ |w|^T`` (``abs_logits64``,
+    where the arm computes the logits itself); each logit may move by four times that (a
+    GEMM's split reductions round more often). Softmax ranks by logit; sigmoid moves each
+    score by at most its steepest slope over the logit's interval times the move (a float32
+    step more for the arm's own arithmetic), groups by the sum of their top two. A token is
+    stable when the chosen groups' lowest bound stays above the others' highest, and
+    likewise the chosen experts' among the eligible. An arm's route is compared with
+    float64's there only; elsewhere a near tie may route either way at any precision."""
+    move = 2 * torch.finfo(dtype).eps * logits64.abs()
+    if abs_logits64 is not None:
+        move = move + 16 * torch.finfo(torch.float32).eps * abs_logits64
     r, k = model.routing, model.top_k
     if r.get("score_func", "softmax") == "softmax":
-        v = logits64.sort(-1, descending=True).values
-        return v[:, k - 1] - v[:, k] > 2 * tol
-    c = torch.sigmoid(logits64)  # moves by at most a quarter of the logits'
+        return _separated(logits64, logits64 - move, logits64 + move, k)
+    c = torch.sigmoid(logits64)
+    z = (logits64.abs() - move).clamp(min=0)  # the interval's point nearest 0
+    steepest = torch.sigmoid(z) * torch.sigmoid(-z)
+    dc = steepest * move + 4 * torch.finfo(torch.float32).eps
     if bias is not None:  # the choice bias (the weights stay the scores)
         c = c + bias.double()
+    lo, hi = c - dc, c + dc
     t, e = c.shape
     g, tg = r["n_group"], r["topk_group"]
-    groups = c.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
-    ok = torch.ones(t, dtype=torch.bool, device=c.device)
-    if tg < g:
-        gv = groups.sort(-1, descending=True).values
-        ok &= gv[:, tg - 1] - gv[:, tg] > 4 * tol
-    keep = torch.zeros_like(groups).scatter_(1, groups.topk(tg, dim=-1).indices, 1.0)
-    eligible = keep[:, :, None].expand(t, g, e // g).reshape(t, e) > 0
-    v = c.masked_fill(~eligible, float("-inf")).sort(-1, descending=True).values
-    return ok & (v[:, k - 1] - v[:, k] > 2 * tol)
+
+    def group(v):
+        return v.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
+    ok = _separated(group(c), group(lo), group(hi), tg) if tg < g else \
+        torch.ones(t, dtype=torch.bool, device=c.device)
+    keep = torch.zeros_like(group(c)).scatter_(1, group(c).topk(tg, dim=-1).indices, 1.0)
+    out = keep[:, :, None].expand(t, g, e // g).reshape(t, e) == 0
+    return ok & _separated(c.masked_fill(out, float("-inf")),
+                           lo.masked_fill(out, float("-inf")),
+                           hi.masked_fill(out, float("-inf")), k)
+
+
+def _separated(v, lo, hi, k) -> torch.Tensor:
+    """Whether each row's top ``k`` of ``v`` keep their lower bounds ``lo`` above the upper
+    bounds ``hi`` of the rest (entries of -inf in ``v``: not candidates)."""
+    chosen = torch.zeros_like(v, dtype=torch.bool).scatter_(1, v.topk(k, dim=-1).indices, True)
+    low = lo.masked_fill(~chosen, float("inf")).amin(-1)
+    high = hi.masked_fill(chosen, float("-inf")).amax(-1)
+    return low > high
 
 
 def once(key, check) -> None:
@@ -239,13 +260,15 @@ def linear_route(x, weight, model, bias=None):
 
 
 def stable_route(x, router, model):
-    """``(stable (T,) bool, route64 (T, k))``: the tokens whose route no rounding of the
+    """``(stable (T,) bool, route64 (T, k))``: the tokens whose route no computation of the
     logits ``x @ router^T`` in ``x``'s dtype can change (``stable_tokens``) and the float64
     route (``plain.route``), each token's experts in ascending order."""
     from .plain import route
 
-    logits64 = torch.nn.functional.linear(*f64(x.detach(), router.detach()))
-    stable = stable_tokens(logits64, model, x.dtype)
+    x64, w64 = f64(x.detach(), router.detach())
+    logits64 = torch.nn.functional.linear(x64, w64)
+    stable = stable_tokens(logits64, model, x.dtype,
+                           abs_logits64=torch.nn.functional.linear(x64.abs(), w64.abs()))
     assert stable.float().mean() > 0.25, "too few well-routed tokens to check the routes"
     return stable, route(logits64, model)[1].sort(-1).values
 

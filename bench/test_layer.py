@@ -7,8 +7,8 @@ model's), and a plain PyTorch layer (``plain.PlainLayer``). The forward runs wit
 on, as in training, from an idle GPU (its host time before the first GEMM included);
 forward + backward resets the gradients to None first. FLOPs: 2 T k H 3I forward, three
 times that forward + backward. ``max_rel_diff_vs_torch``: the output against the plain
-layer's, relative to its largest entry. Each arm's output and gradients are checked once
-against float64 (``bench.checks``).
+layer's, relative to its largest entry. Each arm's route, output and gradients are checked
+once against float64 (``check_arm``).
 """
 
 from __future__ import annotations

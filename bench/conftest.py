@@ -18,6 +18,9 @@ import pytest  # noqa: E402
 
 from bench import harness  # noqa: E402
 
+if os.environ.get("MOE_FN_TEST_MUTATION"):  # a deliberate wrong change (tests/mutations.py)
+    import tests  # noqa: E402, F401
+
 # (rounds, warm-up rounds) per benchmark: GPU rounds are cheap, CPU ones are not.
 DEFAULT_ROUNDS = (20, 5) if harness.HAS_CUDA else (5, 1)
 # The arms others are compared with, in this order of preference.

@@ -131,19 +131,39 @@ class PlainLayer(torch.nn.Module):
         self.w_up = torch.nn.Parameter(gate_up_proj.detach()[:, i:].contiguous())
         self.w_down = torch.nn.Parameter(down_proj.detach().clone())
         self.bias = None if bias is None else bias.detach().clone()
-        self.fp8 = False  # the experts as fp8_experts: the FP8 rule's plain arm
 
     def forward(self, x):
-        k = self.model.top_k
-        w, idx = route(F.linear(x, self.router), self.model, self.bias)
-        _, offs, perm, _, token = layout(idx, self.model.experts)
-        if self.fp8:
-            y = fp8_experts(x[token], torch.cat([self.w_gate, self.w_up], 1), self.w_down,
-                            offs)
-        else:
-            y = experts(x[token], self.w_gate, self.w_up, self.w_down, offs)
-        y = y * w.reshape(-1)[perm, None].to(y.dtype)
-        return torch.zeros_like(x).index_add(0, perm // k, y)
+        return layer_forward(x, self.router, self.w_gate, self.w_up, self.w_down, self.model,
+                             self.bias)
+
+
+def route_weights(logits, idx, model: Model):
+    """The weights ``route`` gives the experts ``idx (T, k)`` (a route taken elsewhere)."""
+    r = model.routing
+    if r.get("score_func", "softmax") == "softmax":
+        w = torch.softmax(_at_least_float32(logits), dim=-1).gather(1, idx)
+        if r.get("norm_topk_prob"):
+            w = w / w.sum(dim=-1, keepdim=True)
+    else:
+        w = torch.sigmoid(_at_least_float32(logits)).gather(1, idx)
+        if r.get("norm_topk_prob"):
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * r.get("routed_scaling_factor", 1.0)
+
+
+def layer_forward(x, router, w_gate, w_up, w_down, model: Model, bias=None, topk_idx=None):
+    """``PlainLayer``'s forward on the given weights; ``topk_idx``: on that route instead of
+    its own."""
+    k = model.top_k
+    logits = F.linear(x, router)
+    if topk_idx is None:
+        w, idx = route(logits, model, bias)
+    else:
+        w, idx = route_weights(logits, topk_idx, model), topk_idx
+    _, offs, perm, _, token = layout(idx, model.experts)
+    y = experts(x[token], w_gate, w_up, w_down, offs)
+    y = y * w.reshape(-1)[perm, None].to(y.dtype)
+    return torch.zeros_like(x).index_add(0, perm // k, y)
 
 
 def hf_qwen3_config(model: Model, num_experts: int | None = None):

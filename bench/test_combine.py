@@ -1,7 +1,9 @@
 """Combine: each token's k expert rows gathered back and summed (the local exchange's
 combine), unweighted and weighted by the routing weights, and the weighted sum's backward:
 moe_fn's gather-sum ops (one Triton pass on a GPU, float32 accumulation) against
-``index_select`` + a sum over k in PyTorch. Rows are in a random expert order."""
+``index_select`` + a sum over k in PyTorch. Rows are in a random expert order. Each arm's
+result (the backward's: the row and weight gradients) is checked against plain PyTorch's and
+its float64 twin's by the tolerance rule (``bench.checks``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 import moe_fn.kernels as ops
-from bench import harness, shapes
+from bench import checks, harness, shapes
 from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import KERNEL_MODELS, names
@@ -81,4 +83,14 @@ def test_weighted_gather_sum_bwd(measure, model, arm):
         def fn():
             return torch.autograd.grad(out, (r, ww), d_out, retain_graph=True)
     # Read the rows and the output gradient, write the row gradients.
-    measure(fn, shape=model.name, nbytes=_bytes(model, 2, 1), flush_l2=True)
+    got = measure(fn, shape=model.name, nbytes=_bytes(model, 2, 1), flush_l2=True)
+    if arm == "moe_fn":  # no split given: every row gradient in the first part
+        lo, hi, d_w = got
+        got = (torch.cat([lo, hi]), d_w)
+
+    def sum_(r, ww):
+        return _plain_sum(r, index, k, ww)
+    # One round's gradients against autograd of plain PyTorch's sum and its float64 twin.
+    checks.assert_rule(got, checks.value_and_grads(sum_, [rows, w], dy=d_out)[1:],
+                       checks.value_and_grads(sum_, [rows, w], checks.F64, d_out)[1:],
+                       ["d_rows", "d_weights"])

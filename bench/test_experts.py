@@ -9,7 +9,9 @@ the packed weight, the packed activation) and the separate one, against plain Py
 weights quantised once (as a layer's cache keeps them between optimizer steps) and
 torchao's FP8 rowwise MoE training GEMMs (``plain.torchao_fp8_experts``; CUDA with
 torchao, uniform counts). Counts: uniform; for the first shape also skewed (expert 0 empty,
-the others rising linearly). FLOPs: 2 N H 2I (grouped linear), 2 N H 3I (expert MLP)
+the others rising linearly). Each arm's output, and in the forward + backward benchmarks one
+timed round's gradients too, are checked against plain PyTorch's and its float64 twin's by
+the tolerance rule (``bench.checks``). FLOPs: 2 N H 2I (grouped linear), 2 N H 3I (expert MLP)
 forward, three times that forward + backward.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import harness, plain, shapes
+from bench import checks, harness, plain, shapes
 from bench.checks import check, f64
 from bench.harness import CLOCK
 from bench.shapes import EXPERT_MODELS, KERNEL_MODELS, names
@@ -93,6 +95,11 @@ def test_grouped_linear(measure, model, arm, phase):
     backward = phase == "fwd+bwd"
     measure(_step(fn, (x, w), d["dy_linear"], backward), shape=f"{model.name} {phase}",
             flops=3 * flops if backward else flops, flush_l2=True)
+    if backward:
+        def loop(a, b):
+            return plain.grouped_linear_loop(a, b, counts)
+        _check_grads([x.grad, w.grad], [x, w], loop, loop, d["dy_linear"],
+                     ("grouped linear", model.name), ["x", "weight"])
 
 
 @pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
@@ -132,3 +139,30 @@ def test_experts(measure, model, counts, arm, phase):
     measure(_step(fns[arm], leaves, d["dy"], backward),
             shape=f"{model.name} {counts} {phase}", flops=3 * flops if backward else flops,
             flush_l2=True)
+    if backward:
+        if arm == "torch":
+            weight_grads = [torch.cat([d["w_gate"].grad, d["w_up"].grad], 1), d["w_down"].grad]
+        else:
+            weight_grads = [d["gate_up"].grad, d["down"].grad]
+        i = model.inter
+
+        def experts(a, gu, dn):
+            return plain.experts(a, gu[:, :i].contiguous(), gu[:, i:].contiguous(), dn, offs)
+
+        def fp8_experts(a, gu, dn):
+            return plain.fp8_experts(a, gu, dn, offs)
+        fp8 = arm.endswith("fp8")  # the FP8 rule: plain quantises, float64 does not
+        _check_grads([x.grad, *weight_grads], [x, d["gate_up"], d["down"]],
+                     fp8_experts if fp8 else experts, experts, d["dy"],
+                     ("expert MLP", model.name, counts, fp8), ["x", "gate_up", "down"])
+
+
+def _check_grads(got, inputs, plain_fn, ref_fn, dy, key, names):
+    """The last timed round's gradients ``got`` (of ``sum(out * dy)`` to ``inputs``) by the
+    rule, taken jointly: against autograd of ``plain_fn`` in the benchmarks' dtype and of
+    ``ref_fn`` in float64, which the arms of the group ``key`` share."""
+    want = checks.memo((*key, "plain"), lambda: checks.value_and_grads(
+        plain_fn, inputs, dy=dy)[1:])
+    ref64 = checks.memo((*key, "float64"), lambda: checks.value_and_grads(
+        ref_fn, inputs, checks.F64, dy)[1:])
+    checks.assert_rule(got, want, ref64, names)

@@ -3,7 +3,8 @@ against Triton's own launch path, per kernel wrapper (argument checks, output al
 and the launch) and per layer forward and forward + backward (the Qwen3-30B-A3B layer,
 8192 tokens). The GPU is kept busy (a sleep queued before each call), so the host never
 waits for it and the clock reads host time alone. ``torch.add`` is the reference for one
-plain PyTorch launch."""
+plain PyTorch launch. Each case's results are checked once: the fast launch's equal Triton's
+own launch's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import moe_fn.kernels as ops
-from bench import harness
+from bench import checks, harness
 from bench.harness import HAS_CUDA, HOST_CLOCK
 from bench.shapes import QWEN3
 from moe_fn import MoELayer
@@ -61,8 +62,31 @@ def _call(case, d):
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        layer(x).backward(dy)
+        out = layer(x)
+        out.backward(dy)
+        return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
     return step
+
+
+def _tensors(result):
+    return [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+
+
+def _check_launches(case, d):
+    """The fast launch runs Triton's kernels with the same arguments: its results equal the
+    Triton launch's, bit for bit (``torch.add``: equal to ``rows + rows``)."""
+    if case == "torch.add":
+        assert torch.equal(_call(case, d)(), d["rows"] + d["rows"])
+        return
+    got = [t.clone() for t in _tensors(_call(case, d)())]
+    _launch.ENABLED = False
+    try:
+        want = _tensors(_call(case, d)())
+    finally:
+        _launch.ENABLED = True
+    assert len(got) == len(want) > 0
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"{case}: result {n} differs between the launches"
 
 
 def _busy():
@@ -74,6 +98,7 @@ def _busy():
 @pytest.mark.benchmark(group="host time per call", timer=HOST_CLOCK)
 def test_host_time(measure, case, arm):
     d = _inputs.get("all", _make)
+    checks.once(case, lambda: _check_launches(case, d))
     fn = _call(case, d)
     _launch.ENABLED = arm != "triton"
     try:

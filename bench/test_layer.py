@@ -7,20 +7,19 @@ model's), and a plain PyTorch layer (``plain.PlainLayer``). The forward runs wit
 on, as in training, from an idle GPU (its host time before the first GEMM included);
 forward + backward resets the gradients to None first. FLOPs: 2 T k H 3I forward, three
 times that forward + backward. ``max_rel_diff_vs_torch``: the output against the plain
-layer's, relative to its largest entry.
+layer's, relative to its largest entry. Each arm's route, output and gradients are checked
+once against float64 (``check_arm``).
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
 import pytest
 import torch
 
-from bench import harness, plain, shapes
-from bench.checks import check, f64, stable_tokens
+from bench import checks, harness, plain, shapes
 from bench.harness import CLOCK
 from bench.shapes import LAYER_MODELS, MOE_FN_ARMS, layer_flops
 from moe_fn import MoELayer
@@ -47,7 +46,7 @@ def build_weights(model):
     router = harness.randn(e, h, scale=0.02, seed=1)
     gate_up = harness.randn(e, 2 * i, h, scale=0.02, seed=2)
     down = harness.randn(e, h, i, scale=0.02, seed=3)
-    fns, params = {}, {}
+    fns, params, grads, routes = {}, {}, {}, {}
     for arm, options in MOE_FN_ARMS.items():
         layer = MoELayer(model.config(**options), device=dev, dtype=dt)
         with torch.no_grad():
@@ -55,42 +54,69 @@ def build_weights(model):
             layer.experts.gate_up_proj.copy_(gate_up)
             layer.experts.down_proj.copy_(down)
         fns[arm], params[arm] = layer, list(layer.parameters())
+        grads[arm] = lambda lay=layer: [lay.router.weight.grad, lay.experts.gate_up_proj.grad,
+                                        lay.experts.down_proj.grad]
+        routes[arm] = lambda x, lay=layer: lay.route(x)[1]
     if plain.hf_applies(model):
-        fns["transformers"] = plain.hf_block(model, router, gate_up, down)
-        params["transformers"] = list(fns["transformers"].module.parameters())
+        fns["transformers"] = hf = plain.hf_block(model, router, gate_up, down)
+        block = hf.module
+        params["transformers"] = list(block.parameters())
+        grads["transformers"] = lambda: [block.gate.weight.grad, block.experts.gate_up_proj.grad,
+                                         block.experts.down_proj.grad]
+        routes["transformers"] = lambda x: block.gate(x)[2]
     bias = (torch.zeros(e, device=dev) if model.routing.get("score_correction_bias")
             else None)
-    fns["torch"] = plain.PlainLayer(model, router, gate_up, down, bias)
-    params["torch"] = list(fns["torch"].parameters())
-    return dict(fns=fns, params=params)
+    fns["torch"] = lay = plain.PlainLayer(model, router, gate_up, down, bias)
+    params["torch"] = list(lay.parameters())
+    grads["torch"] = lambda: [lay.router.grad, torch.cat([lay.w_gate.grad, lay.w_up.grad], 1),
+                              lay.w_down.grad]
+    routes["torch"] = lambda x: checks.linear_route(x, lay.router, model, bias)
+    return dict(fns=fns, params=params, grads=grads, routes=routes,
+                weights=(router, gate_up, down), plain_arm=checks.plain_layer(model, bias))
+
+
+def results(d, arm, backward):
+    """``fn() -> the arm's results`` (``bench.checks.check_layer``'s ``got``): its output,
+    with ``backward`` after resetting the gradients to None and backpropagating ``dy``."""
+    fn, x, dy, leaves = d["fns"][arm], d["x"], d["dy"], d["params"][arm]
+    if not backward:
+        return lambda: [fn(x)]
+
+    def step():
+        for p in leaves:
+            p.grad = None
+        x.grad = None
+        out = fn(x)
+        out.backward(dy)
+        return [out.detach(), x.grad, *d["grads"][arm]()]
+    return step
+
+
+def check_arm(model, d, arm, got):
+    """The arm's results ``got`` (``results``; one benchmark round's), once per process: its
+    route on the tokens no rounding of the logits can reroute (``checks.stable_tokens``) as
+    float64's, and its output and gradients against the float64 formulas on its own route
+    (``bench.checks.check_layer``)."""
+    def run():
+        x = d["x"].detach()
+        with torch.no_grad():
+            idx = d["routes"][arm](x)
+        checks.assert_route(arm, idx, d["stable"], d["route64"])
+        fp8 = MOE_FN_ARMS.get(arm, {}).get("expert_precision") is not None
+        checks.check_layer(arm, [t.detach() for t in got], idx, d["weights"], d["plain_arm"],
+                           model, x, d["dy"], fp8=fp8, memo_key=("layer", model.name))
+    checks.once((model.name, arm, len(got) > 1), run)
 
 
 def inputs(model, d):
-    """An input, its output gradient, the plain layer's output and its float64 twin's on the
-    same input, and the tokens whose route is the same at any precision."""
+    """An input, its output gradient, the plain layer's output, and the float64 route (each
+    token's experts in order) with the tokens no rounding of the logits can reroute."""
     x = harness.randn(model.tokens, model.hidden, seed=4).requires_grad_()
-    layer = d["fns"]["torch"]
-    layer64 = copy.deepcopy(layer).double()
-    x64 = f64(x).detach()
-    layer_fp8 = copy.deepcopy(layer)
-    layer_fp8.fp8 = True
     with torch.no_grad():
-        out = layer(x)
-        out_fp8 = layer_fp8(x)
-        ref64 = layer64(x64)
-        stable = stable_tokens(torch.nn.functional.linear(x64, layer64.router), model,
-                               x.dtype)
-    assert stable.float().mean() > 0.25, "too few well-routed tokens to check the layer"
-    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=out.float(),
-                plain_out=out, plain_fp8_out=out_fp8, ref64=ref64, stable=stable)
-
-
-def check_layer(d, arm, out) -> None:
-    """The arm's output by the tolerance rule against the plain layer's on the tokens whose
-    route rounding cannot change (the FP8 arm: against the FP8 rule's plain layer)."""
-    s = d["stable"]
-    want = d["plain_fp8_out" if arm.endswith("fp8") else "plain_out"]
-    check(out[s], want[s], d["ref64"][s], arm)
+        ref = d["fns"]["torch"](x).float()
+        stable, route64 = checks.stable_route(x, d["weights"][0], model)
+    return dict(x=x, dy=harness.randn(model.tokens, model.hidden, seed=5), ref=ref,
+                stable=stable, route64=route64)
 
 
 def rel_diff(out, ref) -> float:
@@ -100,28 +126,17 @@ def rel_diff(out, ref) -> float:
 @pytest.mark.parametrize("phase", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("model,arm", CASES, ids=[f"{m}-{a}" for m, a in CASES])
 @pytest.mark.benchmark(group="layer", timer=CLOCK)
-def test_layer(measure, model, arm, phase):
+def test_layer(measure, benchmark, model, arm, phase):
     model = shapes.get(model)
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
-    fn, x, dy, leaves = d["fns"][arm], d["x"], d["dy"], d["params"][arm]
-    with torch.no_grad():
-        got = fn(x)
-        check_layer(d, arm, got)
-        diff = rel_diff(got, d["ref"])
-
-    def step():
-        for p in leaves:
-            p.grad = None
-        x.grad = None
-        fn(x).backward(dy)
-
     backward = phase == "fwd+bwd"
     flops = layer_flops(model)
-    measure(step if backward else (lambda: fn(x)), shape=f"{model.name} {phase}",
-            flops=3 * flops if backward else flops,
-            info={"tokens": model.tokens, "max_rel_diff_vs_torch": diff,
-                  "options": MOE_FN_ARMS.get(arm)})
+    got = measure(results(d, arm, backward), shape=f"{model.name} {phase}",
+                  flops=3 * flops if backward else flops,
+                  info={"tokens": model.tokens, "options": MOE_FN_ARMS.get(arm)})
+    benchmark.extra_info["max_rel_diff_vs_torch"] = rel_diff(got[0].detach(), d["ref"])
+    check_arm(model, d, arm, got)
 
 
 PIPELINE = 8
@@ -138,14 +153,14 @@ def test_layer_pipelined(measure, benchmark, model, arm):
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
     fn, x = d["fns"][arm], d["x"]
-    with torch.no_grad():
-        check_layer(d, arm, fn(x))
 
     def forwards():
-        for _ in range(PIPELINE):
+        for _ in range(PIPELINE - 1):
             fn(x)
-    measure(forwards, shape=f"{model.name} fwd x{PIPELINE}",
-            flops=PIPELINE * layer_flops(model), info={"tokens": model.tokens})
+        return [fn(x)]
+    got = measure(forwards, shape=f"{model.name} fwd x{PIPELINE}",
+                  flops=PIPELINE * layer_flops(model), info={"tokens": model.tokens})
+    check_arm(model, d, arm, got)
     if benchmark.stats is not None and benchmark.stats.stats.data:
         benchmark.extra_info["per_forward_ms"] = benchmark.stats.stats.median / PIPELINE * 1e3
 
@@ -157,17 +172,17 @@ class _Paired:
 
     def __init__(self, first, second):
         self.fns, self.times, self.calls = (first, second), ([], []), 0
+        self.last = [None, None]  # each call's latest result
 
-    @staticmethod
-    def _time(fn) -> float:
+    def _time(self, i) -> float:
         if not harness.HAS_CUDA:
             t0 = time.perf_counter()
-            fn()
+            self.last[i] = self.fns[i]()
             return time.perf_counter() - t0
         torch.cuda.synchronize()
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
-        fn()
+        self.last[i] = self.fns[i]()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
@@ -176,7 +191,7 @@ class _Paired:
         order = (0, 1) if self.calls % 2 == 0 else (1, 0)
         self.calls += 1
         for i in order:
-            self.times[i].append(self._time(self.fns[i]))
+            self.times[i].append(self._time(i))
 
     def ratio(self, skip: int) -> float:
         """Median over the rounds after the first ``skip`` of first time / second time."""
@@ -187,27 +202,13 @@ def _paired(measure, benchmark, model, phase, first, second):
     model = shapes.get(model)
     d = _layers.get(model.weights_key, lambda: build_weights(model))
     d = _inputs.get(model.name, lambda: dict(d, **inputs(model, d)))
-    x, dy = d["x"], d["dy"]
-    with torch.no_grad():
-        for arm in (first, second):
-            check_layer(d, arm, d["fns"][arm](x))
-
-    def call(arm):
-        fn, leaves = d["fns"][arm], d["params"][arm]
-        if phase == "fwd":
-            return lambda: fn(x)
-
-        def step():
-            for p in leaves:
-                p.grad = None
-            x.grad = None
-            fn(x).backward(dy)
-        return step
-
-    pair = _Paired(call(first), call(second))
+    backward = phase == "fwd+bwd"
+    pair = _Paired(results(d, first, backward), results(d, second, backward))
     flops = layer_flops(model) * (3 if phase == "fwd+bwd" else 1)
     measure(pair, shape=f"{model.name} {phase}", flops=2 * flops,
             info={"tokens": model.tokens, "pair": [first, second]})
+    for arm, got in zip((first, second), pair.last):
+        check_arm(model, d, arm, got)
     if len(pair.times[0]) > measure.warmup:  # timed (not --benchmark-disable)
         benchmark.extra_info["paired_ratio"] = pair.ratio(measure.warmup)
         for arm, t in zip((first, second), pair.times):

@@ -32,7 +32,7 @@ def _route_kwargs(model):
     return {k: v for k, v in model.routing.items() if k != "score_correction_bias"}
 
 
-def _check(model, arm, got, logits_fn, x, bias):
+def _check(model, arm, got, logits_fn, x, bias, abs_logits_fn=None):
     """The arm's routes on the tokens no rounding can reroute: the experts as plain
     PyTorch's, the weights by the tolerance rule against plain and float64."""
     if got[0].is_floating_point():
@@ -40,7 +40,8 @@ def _check(model, arm, got, logits_fn, x, bias):
     else:
         idx, w = got
     logits64 = logits_fn(f64(x))
-    s = stable_tokens(logits64, model, x.dtype, bias)
+    s = stable_tokens(logits64, model, x.dtype, bias,
+                      None if abs_logits_fn is None else abs_logits_fn(f64(x).abs()))
     assert s.float().mean() > 0.25, "too few well-routed tokens to check the router"
     # A route is a set of experts: order each token's choices by expert, since equal
     # logits (common in bf16) among the chosen may come in either order.
@@ -91,7 +92,8 @@ def test_router_linear(measure, model, arm):
         def fn():
             return plain.route(F.linear(x, weight), model, bias)
     _check(model, arm, fn(), lambda t: F.linear(t, f64(weight) if t.dtype == torch.float64
-                                                else weight), x, bias)
+                                                else weight), x, bias,
+           lambda t: F.linear(t, f64(weight).abs()))  # the arm computes the logits
     measure(fn, shape=model.name, flops=2 * model.tokens * model.hidden * model.experts,
             flush_l2=True,
             info={"fused_linear": ops.router_linear_supported(x, weight, None,

@@ -70,6 +70,34 @@ def reference_run(x, params, cfg, g, dtype, **kw):
     return got, ref.route
 
 
+def gathered_params(layer) -> MoEParams:
+    """An expert-parallel layer's parameters with every rank's experts (all-gathered: a
+    collective), detached."""
+    world = layer.exchange.ep_size
+
+    def gather(t):
+        if t is None:
+            return None
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous(), group=layer.exchange.group)
+        return torch.cat(parts)
+    p = layer_params(layer)
+    return p._replace(router_weight=p.router_weight.detach(),
+                      router_bias=None if p.router_bias is None else p.router_bias.detach(),
+                      score_correction_bias=None if p.score_correction_bias is None
+                      else p.score_correction_bias.detach(),
+                      gate_up_proj=gather(p.gate_up_proj), down_proj=gather(p.down_proj),
+                      gate_up_proj_bias=gather(p.gate_up_proj_bias),
+                      down_proj_bias=gather(p.down_proj_bias))
+
+
+def rank_results(results, rows, experts):
+    """``reference_run``'s results as rank's layer holds them: its tokens ``rows``, its
+    experts ``experts`` (slices), the router's whole."""
+    return {n: t[rows] if n in ("out", "x") else t[experts] if n.startswith("experts.")
+            else t for n, t in results.items()}
+
+
 def assert_float64_close(got, want, names, scale):
     """Float64 results ``got[i]`` each within ``FLOAT64_STEPS`` float64 rounding steps of
     ``want[i]`` at magnitude ``scale``, the largest of the whole computation's results (an

@@ -79,11 +79,27 @@ def _nan_in_tolerance_input(patch):
     patch(tol, "_triples", _triples)
 
 
+def _lowest_experts_route(patch):
+    """The router choosing the k experts of lowest logits, its weights computed on that
+    route (a layer consistent with its wrong route)."""
+    import moe_fn.kernels as kernels
+
+    real = kernels.router_linear_fwd
+
+    def router_linear_fwd(x, weight, lin_bias, bias, *, top_k, topk_idx=None, **kw):
+        if topk_idx is None:
+            logits = torch.nn.functional.linear(x, weight, lin_bias)
+            topk_idx = logits.topk(top_k, dim=-1, largest=False).indices
+        return real(x, weight, lin_bias, bias, top_k=top_k, topk_idx=topk_idx, **kw)
+    patch(kernels, "router_linear_fwd", router_linear_fwd)
+
+
 MUTATIONS = {
     "negated_output": _negated_output,
     "bf16_float32_path": _bf16_float32_path,
     "dropped_balance_term": _dropped_balance_term,
     "nan_in_tolerance_input": _nan_in_tolerance_input,
+    "lowest_experts_route": _lowest_experts_route,
 }
 
 

@@ -34,6 +34,7 @@ CATCHES = {
     "bf16_float32_path": [_fused],
     "dropped_balance_term": [_balance],
     "nan_in_tolerance_input": [_fused],
+    "lowest_experts_route": [_layer],
 }
 CHOSEN = [_layer, _fused, _balance]
 

@@ -14,9 +14,13 @@ from torch import nn
 import moe_fn
 from moe_fn import MoEConfig, MoELayer
 from moe_fn.skip_check import SkipContractError
-from moe_fn.testing import assert_all_close_to_ref, assert_close_to_ref
+from moe_fn.testing import (
+    assert_close_to_ref,
+    assert_jointly_close_to_ref,
+)
 from tests import fake_deep_ep
 from tests.dist_utils import run_distributed
+from tests.naive import naive_layers
 
 H, I, E = 8, 6, 4
 
@@ -47,8 +51,23 @@ def make_model(cfg, dtype=torch.float32):
     return nn.ModuleList([Block(cfg, 10), Block(cfg, 11)]).to(dtype)
 
 
-def run_steps(cfg, mode, steps=3, tokens=6, rank=0, dtype=torch.float32):
-    """Three SGD steps; the router's large learning rate changes routes between steps."""
+def naive_step(model, x, dtype):
+    """The step's outputs and gradients of ``model``'s twin in ``dtype`` with every layer
+    the reference MoE, at the model's current parameters and input ``x``."""
+    twin = copy.deepcopy(model).to(dtype)
+    twin.zero_grad()
+    h = xt = x.detach().to(dtype).requires_grad_()
+    with naive_layers():
+        for b in twin:
+            h = b(h)
+    (h * torch.linspace(-1, 1, H, dtype=dtype)).sum().backward()
+    return {"h": h.detach(), "x_grad": xt.grad, **{n: p.grad for n, p in twin.named_parameters()}}
+
+
+def run_steps(cfg, mode, steps=3, tokens=6, rank=0, dtype=torch.float32, oracle=False):
+    """Three SGD steps; the router's large learning rate changes routes between steps. With
+    ``oracle`` (one rank) each step's record also holds ``naive_step``'s results at that
+    step's parameters: ``"plain"`` in ``dtype``, ``"ref64"`` in float64."""
     model = make_model(cfg, dtype)
     opt = torch.optim.SGD([{"params": [b.moe.router.weight for b in model], "lr": 0.5},
                            {"params": [p for b in model for n, p in b.named_parameters()
@@ -75,6 +94,9 @@ def run_steps(cfg, mode, steps=3, tokens=6, rank=0, dtype=torch.float32):
                     dist.all_reduce(grads[n])
         assert torch.isfinite(loss)
         record.append({"h": h.detach().clone(), "x_grad": x.grad.clone(), **grads})
+        if oracle:
+            record[-1]["plain"] = naive_step(model, x, dtype)
+            record[-1]["ref64"] = naive_step(model, x, torch.float64)
         with torch.no_grad():
             routes.append(model[0].moe.route(probe.to(dtype) @ model[0].proj)[1])
         opt.step()
@@ -83,12 +105,29 @@ def run_steps(cfg, mode, steps=3, tokens=6, rank=0, dtype=torch.float32):
     return record, model
 
 
+ORACLE = ("plain", "ref64")
+
+
+def assert_steps_match_the_reference(record):
+    """Each step of a ``run_steps(..., oracle=True)`` record against the reference MoE at
+    that step's parameters, outputs and gradients taken as one (no drift of float32
+    trajectories between steps enters the bound)."""
+    for n, step in enumerate(record):
+        names = list(step["plain"])
+        assert_jointly_close_to_ref([step[k] for k in names],
+                                    [step["plain"][k] for k in names],
+                                    [step["ref64"][k] for k in names],
+                                    [f"step {n} {k}" for k in names])
+
+
 def assert_same(a, b, ref64):
     """Each step's outputs and gradients of ``a`` within twice the error of the unchecked
     run ``b`` (same precision) against the unchecked float64 run ``ref64``: recompute and the
     skipped combine may sum in other orders."""
     assert len(a) == len(b) == len(ref64)
     for n, (step_a, step_b, step_64) in enumerate(zip(a, b, ref64)):
+        step_a, step_b, step_64 = ({k: v for k, v in step.items() if k not in ORACLE}
+                                   for step in (step_a, step_b, step_64))
         assert step_a.keys() == step_b.keys() == step_64.keys()
         for k in step_a:
             assert_close_to_ref(step_a[k], step_b[k], step_64[k], f"step {n} {k}")
@@ -111,7 +150,11 @@ def _check_cases(world, rank=0, **exchange_kw):
     routes_changed = False
     cases = [dict(c, **exchange_kw) for c in CASES]
     for kw in cases:
-        ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank)
+        # The checkpointed runs against the unchecked one; on one rank that one's every
+        # step also against the reference MoE at that step's parameters.
+        ref, _ = run_steps(_cfg(world, **kw), "none", rank=rank, oracle=world == 1)
+        if world == 1:
+            assert_steps_match_the_reference(ref)
         ref64, _ = run_steps(_cfg(world, **kw), "none", rank=rank, dtype=torch.float64)
         for mode, skip in [("reentrant", False), ("reentrant", True),
                            ("non_reentrant", False), ("non_reentrant", True)]:
@@ -227,8 +270,9 @@ def test_stale_entry_from_an_earlier_step_is_never_replayed():
     with torch.no_grad():
         for b in ref:
             b.moe.router.weight.mul_(-1.0)  # step 2's routes differ from step 1's
-    want64 = step(copy.deepcopy(ref).double(), x2.double(), "none")
-    want = step(ref, x2, "none")
+    with naive_layers():  # the reference MoE: float64 the oracle, float32 plain
+        want64 = step(copy.deepcopy(ref).double(), x2.double(), "none")
+        want = step(ref, x2, "none")
 
     model = make_model(cfg)
     h = x1.clone().requires_grad_()
@@ -239,7 +283,7 @@ def test_stale_entry_from_an_earlier_step_is_never_replayed():
         for b in model:
             b.moe.router.weight.mul_(-1.0)
     got = step(model, x2, "checkpoint")
-    assert_all_close_to_ref([got[0], *got[1]], [want[0], *want[1]], [want64[0], *want64[1]])
+    assert_jointly_close_to_ref([got[0], *got[1]], [want[0], *want[1]], [want64[0], *want64[1]])
 
 
 def test_skip_with_output_used_beyond_the_residual_add_is_refused():
@@ -306,23 +350,26 @@ def test_skip_refuses_chained_moe_layers_in_one_region():
                          ids=["skip_parallel", "replay_chained"])
 def test_several_moe_layers_in_one_region_when_valid(skip, chained):
     """Layers side by side (each output only in the residual add) may skip; chained layers
-    replay without the skip. Both equal the unchecked run."""
+    replay without the skip. Both match the reference MoE."""
     model, region, x = _two_layers_one_region(skip, chained)
-    want_out = region(x)
-    want_out.sum().backward()
-    want = [want_out.detach(), x.grad.clone(), *[p.grad.clone() for p in model.parameters()]]
-    model64, region64, x64 = _two_layers_one_region(skip, chained, torch.float64)
-    out64 = region64(x64)
-    out64.sum().backward()
+    with naive_layers():  # the reference MoE: float32 plain, float64 the oracle
+        want_out = region(x)
+        want_out.sum().backward()
+        want = [want_out.detach(), x.grad.clone(),
+                *[p.grad.clone() for p in model.parameters()]]
+        model64, region64, x64 = _two_layers_one_region(skip, chained, torch.float64)
+        out64 = region64(x64)
+        out64.sum().backward()
     want64 = [out64.detach(), x64.grad, *[p.grad for p in model64.parameters()]]
     x.grad = None
     model.zero_grad()
     out = moe_fn.checkpoint(region, x)
     out.sum().backward()
-    assert_all_close_to_ref([out.detach(), x.grad, *[p.grad for p in model.parameters()]],
-                            want, want64)
+    assert_jointly_close_to_ref([out.detach(), x.grad, *[p.grad for p in model.parameters()]],
+                                want, want64)
     counters = [b.moe.exchange.counters for b in model]
-    assert all(c["cached_dispatch"] == 1 and c["layout"] == 2 for c in counters)
+    # One layout in the forward; the recompute replays it (a cached dispatch).
+    assert all(c["cached_dispatch"] == 1 and c["layout"] == 1 for c in counters)
     assert all(c["combine_skipped"] == int(skip) for c in counters)
 
 
@@ -449,21 +496,23 @@ def test_kept_layer_gets_its_gradients_when_its_input_needs_none():
         x = torch.randn(6, H, generator=torch.Generator().manual_seed(4)).requires_grad_()
         if kept:
             out = moe_fn.checkpoint(lambda h, b=b, c=c: h + b.moe(c), x)
-        else:
-            out = x + b.moe(c)
+        else:  # the reference MoE: float32 plain
+            with naive_layers():
+                out = x + b.moe(c)
         (out * torch.linspace(-1, 1, H)).sum().backward()
         grads.append([b.moe.router.weight.grad, b.moe.experts.gate_up_proj.grad,
                       b.moe.experts.down_proj.grad])
-        if not kept:  # the unchecked layer in float64: the oracle
+        if not kept:  # the reference MoE in float64: the oracle
             b64 = copy.deepcopy(b).double()
             b64.zero_grad()
-            (x.detach().double() + b64.moe(c.double())) \
-                .mul(torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+            with naive_layers():
+                (x.detach().double() + b64.moe(c.double())) \
+                    .mul(torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
             grads64 = [b64.moe.router.weight.grad, b64.moe.experts.gate_up_proj.grad,
                        b64.moe.experts.down_proj.grad]
     for got in grads[1]:
         assert got is not None and got.abs().sum() > 0
-    assert_all_close_to_ref(grads[1], grads[0], grads64)
+    assert_jointly_close_to_ref(grads[1], grads[0], grads64)
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")

@@ -11,7 +11,7 @@ import torch
 from moe_fn.kernels.activation import interpreting
 from moe_fn.testing import assert_jointly_close_to_ref
 from tests.dist_utils import run_distributed
-from tests.ep_cases import EP_CASES, ep_case
+from tests.ep_cases import EP_CASES, ep_case, gathered_params, rank_results, reference_run
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TOKENS = {2: [6, 4], 3: [5, 0, 7]}  # world 3: a rank without tokens of its own
@@ -104,7 +104,10 @@ def test_row_moves_through_kernels_match_one_float64_layer(world):
 
 def _skip_body(rank, world):
     """The recompute skip's backward (the combine's backward fused into the weighting's,
-    own rows' gradients read where they are) against the same layer run unchecked."""
+    own rows' gradients read where they are) and the same layer run unchecked, both
+    against the reference MoE holding every expert and every rank's tokens."""
+    import torch.distributed as dist
+
     import moe_fn
     import moe_fn.kernels as kernels
     from moe_fn import MoEConfig, MoELayer
@@ -118,31 +121,45 @@ def _skip_body(rank, world):
         return real_rw(*a, **kw)
     gather_sum.launch_gather_row_weight_bwd = row_weight_bwd
     kernels.use_triton = lambda t: t.dtype in KERNEL_DTYPES
-    grads = []
+    inputs = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(10 + r)
+        x = torch.randn(7 + 2 * r, 16, generator=g)
+        inputs.append((x, torch.randn(x.shape, generator=g)))
+    got = []
     for skip in (True, False):
         cfg = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=3,
                         comm_backend="all_to_all", ep_size=world,
                         skip_recompute_combine=skip)
-        torch.manual_seed(3)  # the same weights on every rank and in both layers
+        torch.manual_seed(3)  # the same weights in both layers
         layer = MoELayer(cfg)
-        g = torch.Generator().manual_seed(10 + rank)
-        x = torch.randn(7 + 2 * rank, 16, generator=g).requires_grad_()
-        dy = torch.randn(x.shape, generator=g)
+        x, dy = inputs[rank][0].clone().requires_grad_(), inputs[rank][1]
         if skip:
             moe_fn.checkpoint(lambda h, lay=layer: h + lay(h), x).backward(dy)
             assert layer.exchange.counters["combine_skipped"] == 1
         else:
             (x + layer(x)).backward(dy)
-        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+        dist.all_reduce(layer.router.weight.grad)
+        got.append({"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}})
     assert calls[0] == "own", calls
-    # The unchecked layer in float64 (the same weights) as the oracle: the skip's float32
-    # gradients within twice the unchecked float32 layer's error, taken as one.
-    layer64 = MoELayer(cfg, dtype=torch.float64)
-    layer64.load_state_dict(layer.state_dict())
-    x64 = x.detach().double().requires_grad_()
-    (x64 + layer64(x64)).backward(dy.double())
-    grads64 = [x64.grad] + [p.grad for p in layer64.parameters()]
-    assert_jointly_close_to_ref(grads[0], grads[1], grads64)
+    # Plain: the reference in float32; the oracle: in float64. Each layer's float32
+    # gradients within twice plain's error, taken as one.
+    params = gathered_params(layer)
+    full = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=8, top_k=3)
+    x_all, dy_all = (torch.cat(t) for t in zip(*inputs))
+    start = sum(len(x) for x, _ in inputs[:rank])
+    rows = slice(start, start + len(inputs[rank][0]))
+    e_local = cfg.num_local_experts
+    mine = slice(rank * e_local, (rank + 1) * e_local)
+    want = []
+    for dtype in (torch.float32, torch.float64):
+        results = rank_results(reference_run(x_all, params, full, dy_all, dtype)[0], rows, mine)
+        results["x"] = results["x"] + dy_all[rows].to(dtype)  # the residual's
+        want.append(results)
+    names = list(got[0])
+    for g in got:
+        assert_jointly_close_to_ref([g[n] for n in names], [want[0][n] for n in names],
+                                    [want[1][n] for n in names], names)
 
 
 @pytest.mark.multiproc

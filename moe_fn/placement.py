@@ -256,7 +256,11 @@ def prepare_fsdp_experts(module, ep_size: int) -> None:
     if not isinstance(module, FSDPModule):
         return
     state = module._get_fsdp_state()
-    groups = [g for g in state._fsdp_param_groups]
+    # torch 2.13 keeps a list of parameter groups, earlier versions one (or None).
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
     if not groups:
         d["_moe_fn_fsdp_ready"] = True
         return

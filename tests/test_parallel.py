@@ -112,8 +112,8 @@ def _layout_body(rank, world, dp_mod_ep, ep):
     got, plain, ref64, names = [], [], [], []
 
     def add(what, g, p, r64):
-        got.append(g.detach().double())
-        plain.append(p.detach().double())
+        got.append(g.detach())
+        plain.append(p.detach())
         ref64.append(r64.detach())
         names.append(f"dp{world} ep{ep} {what}")
 

@@ -81,8 +81,12 @@ def _reference(params, cfg, x, g, *, fp8):
 CASES = {
     "softmax-post": dict(),
     "sigmoid-activation": dict(score_func="sigmoid", score_apply="activation", top_k=3),
+    # A clamp limit these inputs never reach: near the limit FP8's rounding decides which
+    # side of the clamp's kink an element falls, so plain FP8 and the unquantised oracle
+    # disagree on whole gradient entries and the rule cannot fail (the clamp is checked at
+    # native precision against HF's GPT-OSS).
     "gpt-oss": dict(activation="swiglu_oai", gate_up_layout="interleaved", expert_bias=True,
-                    router_bias=True, activation_limit=2.0),
+                    router_bias=True, activation_limit=1000.0),
 }
 
 

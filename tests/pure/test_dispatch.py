@@ -287,11 +287,11 @@ def test_compile_fullgraph_route_and_move():
     """Router and dispatch pairs (residuals included) trace under fullgraph compile."""
     from moe_fn.pure.router import router_bwd, router_fwd
 
-    def f(logits, bias, x):
+    def f(logits, bias, x, d_w):
         (idx, w), rres = router_fwd(logits, bias, top_k=2, score_func="sigmoid",
                                     norm_topk_prob=True, n_group=2, topk_group=1,
                                     routed_scaling_factor=2.0)
-        d_logits = router_bwd(rres, torch.ones_like(w))
+        d_logits = router_bwd(rres, d_w)
         counts, offs, perm, inv = layout(idx, logits.shape[1])
         rows, pres = permute_fwd(x, perm, 2)
         rows_tk, ures = unpermute_fwd(rows, inv)
@@ -301,8 +301,10 @@ def test_compile_fullgraph_route_and_move():
         return out, d_logits, d_x, counts, offs
 
     gen = torch.Generator().manual_seed(0)
+    # A cotangent of the weights other than ones: normalised weights sum to a constant, so
+    # ones would make d_logits zero up to rounding noise.
     args = (torch.randn(6, 8, generator=gen), torch.randn(8, generator=gen),
-            torch.randn(6, 4, generator=gen))
+            torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
     want, want64 = f(*args), f(*(a.double() for a in args))

@@ -83,6 +83,23 @@ def test_joint_rule_scales_each_entry_and_names_the_worst():
         assert_jointly_close_to_ref([big.float(), small.float(), small.float()], plain, ref)
 
 
+def test_a_check_that_cannot_fail_is_refused():
+    """Where plain is off by half the result or more (a gradient cancelling to rounding
+    noise), the bound reaches the result's magnitude and even zero would pass: refused."""
+    ref = torch.tensor([1e-7, -2e-7], dtype=torch.float64)
+    plain = torch.tensor([-1e-7, 1e-7])
+    with pytest.raises(AssertionError, match="cannot fail"):
+        assert_close_to_ref(torch.zeros(2), plain, ref, "w")
+    fine = torch.tensor([3.0, -1.0], dtype=torch.float64)
+    with pytest.raises(AssertionError, match="^noise: the check cannot fail"):
+        assert_jointly_close_to_ref([fine.float(), torch.zeros(2)], [fine.float(), plain],
+                                    [fine, ref], ["fine", "noise"])
+    # Just below: plain off by less than half keeps the check able to fail.
+    assert_close_to_ref(ref.float(), (ref * 0.6).float(), ref)
+    with pytest.raises(AssertionError, match="error against float64"):
+        assert_close_to_ref(torch.zeros(2), (ref * 0.6).float(), ref)
+
+
 def _three_entries():
     """Three entries of different magnitudes and a ``None``, each honest: got is plain."""
     big = torch.full((3,), 1000.0, dtype=torch.float64)

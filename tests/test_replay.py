@@ -34,9 +34,11 @@ class Block(nn.Module):
         self.proj = nn.Parameter(torch.eye(H) + 0.1 * torch.randn(H, H, generator=g))
         self.moe = MoELayer(cfg)
         with torch.no_grad():
-            # Every rank builds the full expert set from one seed and keeps its slice.
-            full_gu = 0.5 * torch.randn(E, 2 * I, H, generator=g)
-            full_dn = 0.5 * torch.randn(E, H, I, generator=g)
+            # Every rank builds the full expert set from one seed and keeps its slice. Gains
+            # near one keep three steps' activations and gradients well conditioned (larger
+            # ones grow them until the float32 gradients are rounding noise).
+            full_gu = 0.3 * torch.randn(E, 2 * I, H, generator=g)
+            full_dn = 0.3 * torch.randn(E, H, I, generator=g)
             r, el = self.moe.ep_rank, cfg.num_local_experts
             self.moe.router.weight.copy_(torch.randn(E, H, generator=g))
             self.moe.experts.gate_up_proj.copy_(full_gu[r * el:(r + 1) * el])
@@ -64,14 +66,17 @@ def naive_step(model, x, dtype):
     return {"h": h.detach(), "x_grad": xt.grad, **{n: p.grad for n, p in twin.named_parameters()}}
 
 
-def run_steps(cfg, mode, steps=3, tokens=6, rank=0, dtype=torch.float32, oracle=False):
-    """Three SGD steps; the router's large learning rate changes routes between steps. With
-    ``oracle`` (one rank) each step's record also holds ``naive_step``'s results at that
-    step's parameters: ``"plain"`` in ``dtype``, ``"ref64"`` in float64."""
+def run_steps(cfg, mode, steps=3, tokens=64, rank=0, dtype=torch.float32, oracle=False):
+    """Three SGD steps; the router's large learning rate changes routes between steps (the
+    loss sums over tokens, so the rates are per token). Enough tokens that the largest
+    rounding error of each gradient is a maximum over many, comparable between summation
+    orders and machines. With ``oracle`` (one rank) each step's record also holds
+    ``naive_step``'s results at that step's parameters: ``"plain"`` in ``dtype``,
+    ``"ref64"`` in float64."""
     model = make_model(cfg, dtype)
-    opt = torch.optim.SGD([{"params": [b.moe.router.weight for b in model], "lr": 0.5},
+    opt = torch.optim.SGD([{"params": [b.moe.router.weight for b in model], "lr": 3.0 / tokens},
                            {"params": [p for b in model for n, p in b.named_parameters()
-                                       if "router" not in n], "lr": 0.01}])
+                                       if "router" not in n], "lr": 0.02 / tokens}])
     g = torch.Generator().manual_seed(100 + rank)
     probe = torch.randn(64, H, generator=torch.Generator().manual_seed(7))
     routes = []
@@ -393,6 +398,7 @@ def test_skip_with_output_written_in_place_raises():
 def test_skip_sentinel_is_one_contiguous_nan_buffer_shared_by_layers():
     """The recompute's sentinels are contiguous views of one NaN buffer (the residual add
     then takes PyTorch's vectorised path), reused by every layer and every step."""
+    moe_fn.release_comm_resources()  # a fresh buffer, whatever earlier tests left
     model = make_model(_cfg(1, skip_recompute_combine=True))
     seen = []
 

@@ -92,7 +92,8 @@ def assert_close_to_ref(got: torch.Tensor, plain: torch.Tensor, ref64: torch.Ten
 
     ``got``: the result under test; ``plain``: the same quantity computed by plain PyTorch
     in ``got``'s precision from the same inputs; ``ref64``: the float64 oracle. Shapes must
-    agree, ``got`` must not have silently changed dtype, and all three must be finite."""
+    agree, ``got`` must not have silently changed dtype, and all three must be finite. A
+    bound that reaches ``max|ref64|`` fails too: no result could."""
     label = f"{name}: " if name else ""
     _check_entry(got, plain, ref64, name)
     err, bound = max_error(got, ref64), error_bound(plain, ref64, dtype=got.dtype)
@@ -140,7 +141,8 @@ def assert_jointly_close_to_ref(got: Sequence, plain: Sequence, ref64: Sequence,
     holds too few elements for two maxima of rounding errors to be compared on every
     machine; an entry that is wrong is still off by far more than the rounding of the rest.
     ``None`` entries must be ``None`` in all three; every entry must be finite (a NaN or an
-    infinity anywhere fails, naming its entry)."""
+    infinity anywhere fails, naming its entry). A bound of one (plain off by half an entry's
+    magnitude) or more fails too, naming that entry: no result could."""
     worst, plain_worst, plain_name, step = (0.0, ""), 0.0, "", 0.0
     for g, p, r, n in _triples(got, plain, ref64, names):
         _check_entry(g, p, r, n)
